@@ -1,0 +1,42 @@
+"""`adapt` command-line entry point: dispatches to the modules in `adapt.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module under adapt.commands (each has add_parser(subparsers) and run(args))
+COMMANDS = {
+    "generate": "generate",
+    "train-drafter": "train_drafter",
+    "serve": "serve",
+    "policy": "policy",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adapt",
+        description="Adaptive speculative-diffusion decoding: generate, serve, train drafters, tune policies.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMANDS.values():
+        try:
+            module = importlib.import_module(f"adapt.commands.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"adapt.commands.{module_name}":
+                continue  # subcommand not built in this checkout
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
