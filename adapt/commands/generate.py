@@ -1,0 +1,110 @@
+"""`adapt generate "PROMPT"`: decode one prompt with the speculative-diffusion engine.
+
+    adapt generate "def fibonacci(n):" --max-tokens 64 --json
+    adapt generate "import os" --steps 2 --draft-len 8 --quality tvd=0.05 --temperature 0.8 --seed 1
+    adapt generate "x = 1" --draft-len 0          # autoregressive, same engine
+    adapt generate "..." --target DIR --drafter DIR
+
+Defaults to the demo pair in models/demo/{target,drafter} of the repository. With --json it
+prints one object: text, token_ids (generated only) and stats (tau = tokens per target forward
+pass, target_passes, tokens, tokens_per_s = generated tokens / wall time from prefill start to the
+last token, model loading excluded, accept_per_position, tvd_spent, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="decode a prompt with speculative diffusion (or autoregressively)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--target", type=Path, default=None, help="target model directory (default: models/demo/target)")
+    p.add_argument("--drafter", type=Path, default=None, help="drafter directory (default: models/demo/drafter)")
+    p.add_argument("--steps", type=int, default=1, help="diffusion (denoising) steps per drafted block, s >= 1")
+    p.add_argument("--draft-len", type=int, default=None,
+                   help="drafted tokens verified per step, k (default: the drafter's block size; 0 = autoregressive)")
+    p.add_argument("--quality", default="lossless", help="'lossless' or 'tvd=E' (lenient, <= E TVD per token)")
+    p.add_argument("--commit-order", default="confidence", choices=["confidence", "left-to-right"],
+                   help="which masked positions each denoising step commits")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = the fastest on the device (bfloat16 on CPUs)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--trace", type=Path, default=None, help="write per-step trace records (JSON Lines) here")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    p.set_defaults(run=run)
+
+
+def _model_dirs(args) -> tuple[Path, Path | None]:
+    from workers.engine import DEMO_DRAFTER, DEMO_TARGET
+
+    target = args.target or DEMO_TARGET
+    drafter = args.drafter or DEMO_DRAFTER
+    for name, path, flag in (("target", target, "--target"), ("drafter", drafter, "--drafter")):
+        if not (Path(path) / "config.json").is_file():
+            which = "demo " if getattr(args, name) is None else ""
+            raise ValueError(f"{flag}: {which}{name} model directory {str(path)!r} not found (no config.json)")
+    return Path(target), Path(drafter)
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except ValueError as exc:
+        print(f"adapt generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+
+    from workers.engine import Engine, EngineConfig
+    from workers.request import DecodeKnobs, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    target, drafter = _model_dirs(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    sink = None
+    if args.trace:
+        from workers.traces import FileTraceSink
+
+        sink = FileTraceSink(args.trace)
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=args.dtype, device=args.device, max_batch=1),
+                    trace_sink=sink)
+    draft_len = engine.block if args.draft_len is None else args.draft_len
+    knobs = DecodeKnobs(steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
+    engine.add_request("cli", args.prompt, params, knobs)
+    token_ids, stats, reason = [], {}, None
+    stream = not args.json
+    tok = engine.tokenizer
+    while engine.has_unfinished():
+        for out in engine.step():
+            token_ids.extend(out.new_token_ids)
+            stats, reason = out.stats, out.finish_reason
+            if stream:
+                sys.stdout.write(tok.decode(token_ids, skip_special_tokens=True)[len(tok.decode(token_ids[: len(token_ids) - len(out.new_token_ids)], skip_special_tokens=True)):])
+                sys.stdout.flush()
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
+                 steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "stats": stats}))
+    else:
+        print()
+        print(f"[{stats['tokens']} tokens, tau {stats['tau']:.2f}, {stats['tokens_per_s']:.0f} tok/s, "
+              f"tvd spent {stats['tvd_spent']:.3f}, {reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,72 @@
+"""`adapt serve`: the OpenAI-compatible server on local Ray with decoder workers and a controller.
+
+Defaults run everything on this machine: a local Ray, the demo pair in `models/demo/`, one
+decoder worker, and an in-process state store (hosted by the controller) unless `--redis-url`
+is given. On an existing Ray cluster use `--ray-address auto`, or the Ray Serve config in
+`deploy/` (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (Ray workers + controller)")
+    p.add_argument("--target", default=str(DEMO / "target"), help="target model directory (default: the demo target)")
+    p.add_argument("--drafter", default=str(DEMO / "drafter"), help="drafter directory (default: the demo drafter)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Ray actors)")
+    p.add_argument("--redis-url", default=None, help="Redis for load, policies and traces (default: in-process)")
+    p.add_argument("--ray-address", default=None, help="join a running Ray cluster (e.g. 'auto')")
+    p.add_argument("--policy", default=None, help="policy name from the registry (default: the engine's)")
+    p.add_argument("--policy-file", default=None, help="policy JSON to publish at start (adapt.policy_file)")
+    p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (cores/workers)")
+    p.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--default-max-tokens", type=int, default=64)
+    p.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
+    p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
+    p.add_argument("--model-name", default="adapt-demo", help="the model id the API reports")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from adapt.serving.launcher import start_stack
+    from adapt.targets import ServerDefaults
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for path, what in ((args.target, "--target"), (args.drafter, "--drafter")):
+        if path and not os.path.isdir(path):
+            raise SystemExit(f"{what}: no such model directory: {path}")
+    if args.num_workers < 1:
+        raise SystemExit("--num-workers: must be >= 1")
+    defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
+    stack = start_stack(
+        args.target, args.drafter, num_workers=args.num_workers, redis_url=args.redis_url, policy=args.policy,
+        policy_file=args.policy_file, model_name=args.model_name, defaults=defaults,
+        engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
+                        "device": args.device},
+        ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
+        default_max_tokens=args.default_max_tokens,
+    )
+    url = f"http://{args.host}:{args.port}"
+    store = args.redis_url or "in-process (controller actor)"
+    print(f"adapt serving {args.model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store})",
+          flush=True)
+    try:
+        uvicorn.run(stack.app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        stack.shutdown()
+    return 0

@@ -1,0 +1,245 @@
+"""Step-time cost model: how long one engine step takes for a given batch decision.
+
+An engine step (docs/contracts.md §4) is: the drafter runs ``max_r s_r`` denoising *passes* (pass
+``ℓ`` covers the rows with ``s_r ≥ ℓ``, each a block of ``K + 1`` tokens), then one target forward
+verifies ``Σ_r (k_r + 1)`` tokens. So
+
+    step_ms ≈ overhead_ms + verify_ms(num_tokens) + Σ_ℓ draft_pass_ms(rows with s ≥ ℓ)
+
+``verify_ms`` and ``draft_pass_ms`` are tables with linear interpolation (as DSpark's SPS(B) table:
+flat while memory-bound, then linear once compute-bound), filled one of three ways:
+
+- `CostModel.profile` times callables on a worker at start-up (the engine passes its own
+  target / drafter forwards, see `adapt.controller.profile_engine`),
+- `CostModel.fit_traces` reads the timings logged in engine traces,
+- `CostModel.observe` corrects the tables online from each measured step (an exponential moving
+  average spread over the two table points around the measurement).
+
+All evaluation methods accept tensors and run as tensor code (no per-row Python).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Table:
+    """A piecewise-linear function ``y(x)`` through points ``xs`` (increasing), linear beyond the ends."""
+
+    def __init__(self, xs: Sequence[float], ys: Sequence[float], name: str = "table"):
+        xs_t = torch.tensor(list(xs), dtype=torch.float64)
+        ys_t = torch.tensor(list(ys), dtype=torch.float64)
+        if xs_t.dim() != 1 or xs_t.numel() < 2 or xs_t.shape != ys_t.shape:
+            raise ValueError(f"{name}: need at least two (x, y) points of equal length")
+        if not (torch.isfinite(xs_t).all() and torch.isfinite(ys_t).all()):
+            raise ValueError(f"{name}: points must be finite")
+        if not (xs_t[1:] > xs_t[:-1]).all():
+            raise ValueError(f"{name}: x values must increase")
+        if (ys_t < 0).any():
+            raise ValueError(f"{name}: times must be non-negative")
+        self.name, self.xs, self.ys = name, xs_t, ys_t
+        self._version = 0
+
+    def __call__(self, x: torch.Tensor | float) -> torch.Tensor:
+        x_t = torch.as_tensor(x)
+        if not x_t.is_floating_point():
+            x_t = x_t.float()
+        xs, slope, icpt = self._cached(x_t.device, x_t.dtype)
+        i = (torch.searchsorted(xs, x_t.contiguous()) - 1).clamp(0, xs.numel() - 2)
+        return (icpt[i] + slope[i] * x_t).clamp_min(0.0)
+
+    def _cached(self, device, dtype):
+        """Per-segment slope and intercept on ``device`` (recomputed after `nudge`)."""
+        key = (str(device), dtype, self._version)
+        if getattr(self, "_cache_key", None) != key:
+            slope = (self.ys[1:] - self.ys[:-1]) / (self.xs[1:] - self.xs[:-1])
+            icpt = self.ys[:-1] - slope * self.xs[:-1]
+            self._cache = (self.xs.to(device, dtype), slope.to(device, dtype), icpt.to(device, dtype))
+            self._cache_key = key
+        return self._cache
+
+    def weights(self, x: float) -> tuple[int, int, float]:
+        """The two bracketing indices and the weight of the upper one, for online updates."""
+        i = int(torch.searchsorted(self.xs, torch.tensor([float(x)], dtype=torch.float64)).clamp(1, len(self.xs) - 1))
+        w = float((x - self.xs[i - 1]) / (self.xs[i] - self.xs[i - 1]))
+        return i - 1, i, min(max(w, 0.0), 1.0)
+
+    def nudge(self, x: float, residual: float, rate: float) -> None:
+        lo, hi, w = self.weights(x)
+        self.ys[lo] = max(0.0, float(self.ys[lo]) + rate * (1 - w) * residual)
+        self.ys[hi] = max(0.0, float(self.ys[hi]) + rate * w * residual)
+        self._version += 1
+
+    def to_dict(self) -> dict:
+        return {"x": [float(v) for v in self.xs], "ms": [round(float(v), 6) for v in self.ys]}
+
+    @classmethod
+    def from_dict(cls, data: dict, name: str) -> "Table":
+        try:
+            return cls(data["x"], data["ms"], name)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{name}: expected {{'x': [...], 'ms': [...]}} ({exc})") from None
+
+
+class CostModel:
+    """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
+
+    def __init__(self, verify: Table | None = None, draft_pass: Table | None = None, overhead_ms: float = 0.0,
+                 rate: float = 0.05, source: str = "default"):
+        # default: a memory-bound-then-linear shape, in arbitrary but plausible CPU milliseconds
+        self.verify = verify or Table(DEFAULT_TOKEN_GRID, [8.0, 8.2, 8.5, 9.5, 12, 18, 30, 55, 105, 205, 405],
+                                      "cost.verify")
+        self.draft_pass = draft_pass or Table(DEFAULT_ROW_GRID, [3.0, 3.3, 3.8, 5, 7.5, 12.5, 22, 42, 82],
+                                              "cost.draft_pass")
+        if not np.isfinite(overhead_ms) or overhead_ms < 0:
+            raise ValueError("cost.overhead_ms: must be a non-negative number")
+        self.overhead_ms = float(overhead_ms)
+        self.rate = float(rate)
+        self.source = source
+        self.observed_steps = 0
+
+    # -- prediction (tensor code) ------------------------------------------------------------------
+    def verify_ms(self, num_tokens: torch.Tensor | float) -> torch.Tensor:
+        return self.verify(num_tokens)
+
+    def draft_ms(self, rows_per_pass: torch.Tensor) -> torch.Tensor:
+        """rows_per_pass: [..., L] rows in each denoising pass (0 = pass not run) -> [...] ms."""
+        r = torch.as_tensor(rows_per_pass, dtype=torch.float64)
+        return torch.where(r > 0, self.draft_pass(r), torch.zeros_like(r)).sum(-1)
+
+    def step_ms(self, num_tokens: torch.Tensor | float, rows_per_pass: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.overhead_ms + self.verify_ms(num_tokens)
+        if rows_per_pass is not None:
+            t = t + self.draft_ms(rows_per_pass)
+        return t
+
+    @staticmethod
+    def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
+        """steps: [B] diffusion steps per row -> [max_steps] rows in each pass."""
+        levels = torch.arange(1, max_steps + 1, device=steps.device)
+        return (steps[None, :] >= levels[:, None]).sum(1)
+
+    # -- online correction ------------------------------------------------------------------------
+    def observe(self, num_tokens: float, rows_per_pass: Sequence[int] | torch.Tensor, step_ms: float,
+                verify_ms: float | None = None, draft_ms: float | None = None) -> None:
+        """Move the tables toward one measured step (EMA with `rate`)."""
+        if not np.isfinite(step_ms) or step_ms <= 0:
+            return
+        rows = [int(r) for r in torch.as_tensor(rows_per_pass).tolist() if int(r) > 0]
+        self.observed_steps += 1
+        if verify_ms is not None and np.isfinite(verify_ms):
+            self.verify.nudge(num_tokens, verify_ms - float(self.verify(num_tokens)), self.rate)
+            if draft_ms is not None and np.isfinite(draft_ms) and rows:
+                pred = [float(self.draft_pass(r)) for r in rows]
+                resid = (draft_ms - sum(pred)) / len(rows)
+                for r in rows:
+                    self.draft_pass.nudge(r, resid, self.rate)
+            return
+        pred = float(self.step_ms(num_tokens, torch.tensor(rows or [0])))
+        self.verify.nudge(num_tokens, step_ms - pred, self.rate)
+
+    # -- building the tables ----------------------------------------------------------------------
+    @classmethod
+    def profile(cls, verify_fn: Callable[[int], None], draft_fn: Callable[[int], None] | None = None,
+                token_grid: Sequence[int] = DEFAULT_TOKEN_GRID[:9], row_grid: Sequence[int] = DEFAULT_ROW_GRID[:7],
+                repeats: int = 3, sync: Callable[[], None] | None = None) -> "CostModel":
+        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` on a grid (median of ``repeats``)."""
+
+        def timed(fn, arg) -> float:
+            fn(arg)  # warm-up
+            samples = []
+            for _ in range(repeats):
+                if sync:
+                    sync()
+                t0 = time.perf_counter()
+                fn(arg)
+                if sync:
+                    sync()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            return float(np.median(samples))
+
+        verify = Table(token_grid, np.maximum.accumulate([timed(verify_fn, n) for n in token_grid]), "cost.verify")
+        draft = None
+        if draft_fn is not None:
+            draft = Table(row_grid, np.maximum.accumulate([timed(draft_fn, n) for n in row_grid]), "cost.draft_pass")
+        return cls(verify, draft, source="profile")
+
+    @classmethod
+    def fit_traces(cls, table) -> "CostModel":
+        """Fit from trace timings (an `adapt.trace_data.TraceTable`): one point per engine step."""
+        keys = table.step_key
+        uniq, first = np.unique(keys, return_index=True)
+        if len(uniq) < 3:
+            raise ValueError("traces: need timings of at least 3 engine steps to fit a cost model")
+        n_tok = table.num_tokens[first].astype(np.float64)
+        verify = table.verify_ms[first].astype(np.float64)
+        draft = table.draft_ms[first].astype(np.float64)
+        total = table.step_ms[first].astype(np.float64)
+        # rows per pass of each step
+        inv = np.searchsorted(uniq, keys)
+        max_s = int(max(table.steps.max(), 1))
+        passes = np.zeros((len(uniq), max_s))
+        for lvl in range(1, max_s + 1):
+            np.add.at(passes[:, lvl - 1], inv, (table.steps >= lvl).astype(np.float64))
+        if not np.isfinite(verify).any():
+            verify = total - np.nan_to_num(draft)
+        ok = np.isfinite(verify) & (n_tok > 0)
+        grid = [g for g in DEFAULT_TOKEN_GRID if g <= max(2.0, n_tok[ok].max() * 2)]
+        vx, vy = _binned_median(n_tok[ok], verify[ok], grid)
+        verify_table = Table(vx, np.maximum.accumulate(vy), "cost.verify")
+        # draft: draft_ms = Σ_ℓ (a + b · rows_ℓ), non-negative least squares on (a, b)
+        okd = np.isfinite(draft)
+        draft_table = None
+        if okd.sum() >= 3 and passes.sum() > 0:
+            n_pass = (passes[okd] > 0).sum(1)
+            n_rows = passes[okd].sum(1)
+            a_mat = np.stack([n_pass, n_rows], 1)
+            coef, *_ = np.linalg.lstsq(a_mat, draft[okd], rcond=None)
+            a, b = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
+            if a == 0.0 and b == 0.0:
+                a = float(np.nanmedian(draft[okd] / np.maximum(n_pass, 1)))
+            draft_table = Table(DEFAULT_ROW_GRID, [a + b * r for r in DEFAULT_ROW_GRID], "cost.draft_pass")
+        # whatever the two parts do not explain is per-step overhead
+        resid = total - (verify if np.isfinite(verify).all() else 0) - np.nan_to_num(draft)
+        overhead = float(np.clip(np.nanmedian(resid), 0.0, None)) if np.isfinite(resid).any() else 0.0
+        return cls(verify_table, draft_table, overhead_ms=overhead, source="traces")
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"verify": self.verify.to_dict(), "draft_pass": self.draft_pass.to_dict(),
+                "overhead_ms": self.overhead_ms, "rate": self.rate, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        return cls(Table.from_dict(data["verify"], "cost.verify"), Table.from_dict(data["draft_pass"], "cost.draft_pass"),
+                   overhead_ms=float(data.get("overhead_ms", 0.0)), rate=float(data.get("rate", 0.05)),
+                   source=str(data.get("source", "file")))
+
+
+def _binned_median(x: np.ndarray, y: np.ndarray, grid: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Median of y in bins around each grid point (geometric midpoints); grid points without data are
+    dropped, and at least two points are returned (a flat extension if needed)."""
+    g = np.asarray(grid, dtype=np.float64)
+    edges = np.concatenate([[0.0], np.sqrt(g[1:] * g[:-1]), [np.inf]])
+    xs, ys = [], []
+    for i, gx in enumerate(g):
+        m = (x > edges[i]) & (x <= edges[i + 1])
+        if m.any():
+            xs.append(float(np.median(x[m])))
+            ys.append(float(np.median(y[m])))
+    if not xs:
+        raise ValueError("traces: no usable verify timings")
+    # de-duplicate equal xs (can happen with one distinct token count per bin)
+    xs_u, idx = np.unique(xs, return_index=True)
+    ys_u = [ys[i] for i in idx]
+    xs, ys = list(xs_u), ys_u
+    if len(xs) == 1:
+        xs, ys = [xs[0], xs[0] * 2 + 1], [ys[0], ys[0]]
+    return xs, ys

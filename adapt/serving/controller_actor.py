@@ -1,0 +1,210 @@
+"""The central controller (a Ray actor): cluster load, versioned policies, refits from traces.
+
+The control plane of `docs/architecture.md`: it is never on a request's path. It
+
+- aggregates the live load of every worker from their heartbeats (`cluster_load`);
+- validates and publishes policies (`push_policy`): a document that fails
+  `adapt.policy_file` validation is rejected with an error naming the field, and the current
+  version stays; a valid one becomes a new store version that every worker hot-reloads;
+- refits the acceptance predictor (and the cost tables) from the trace stream on demand
+  (`fit_from_traces`) and publishes the result as a new version.
+
+Without a Redis URL it hosts the `InProcessStore` itself, and workers reach it through
+`ActorStoreClient`, which implements the same `StateStore` interface with actor calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from adapt.serving.store import StateStore, Subscription, open_store
+
+__all__ = ["Controller", "ActorStoreClient", "CONTROLLER_NAME", "NAMESPACE", "publish_policy", "fit_policy"]
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "adapt-controller"
+NAMESPACE = "adapt"
+_STORE_METHODS = {"put_load", "loads", "remove_worker", "put_policy", "get_policy", "policy_version",
+                  "add_traces", "read_traces", "trace_len", "ping"}
+
+
+def publish_policy(store: StateStore, doc: Any) -> dict[str, Any]:
+    """Validate a policy document and publish it as a new version; returns its versions.
+
+    Raises `adapt.policy_file.PolicyFileError` (naming the field) and leaves the store unchanged
+    when the document is invalid.
+    """
+    from adapt.serving.worker_plugin import decisions_from_policy, validate_policy_doc
+
+    policy = validate_policy_doc(doc)
+    decisions_from_policy(policy)  # the policy class must accept the settings, too
+    version = store.put_policy(doc)
+    return {"store_version": version, "policy_version": policy.version, "policy": policy.policy}
+
+
+def fit_policy(records: list[dict[str, Any]], base_doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Refit the predictor and cost tables on trace records (`adapt.commands.policy.fit_policy`);
+    returns a new policy document keeping `base_doc`'s policy name and settings (the current
+    policy), or the defaults when there is none."""
+    from adapt.commands.policy import fit_policy as fit_policy_file
+    from adapt.serving.worker_plugin import validate_policy_doc
+
+    name, settings = "adaptive", {}
+    if base_doc is not None:
+        try:
+            base = validate_policy_doc(base_doc)
+            name, settings = base.policy, dict(base.settings)
+        except ValueError as exc:
+            log.warning("current policy invalid, refitting on defaults: %s", exc)
+    policy = fit_policy_file(records, policy=name, settings=settings)
+    policy.report.update(source="trace stream", records_used=len(records))
+    return policy.to_dict()
+
+
+class Controller:
+    """The controller's state and methods (use as ``ray.remote(Controller)``, named `CONTROLLER_NAME`)."""
+
+    def __init__(self, store_url: str | None = None, refresh_s: float = 0.25, trace_maxlen: int | None = None):
+        kwargs = {} if trace_maxlen is None else {"trace_maxlen": trace_maxlen}
+        self.store_url = store_url
+        self.store = open_store(store_url, **kwargs)
+        self.refresh_s = refresh_s
+        self._cluster: dict[str, Any] = {"workers": {}, "time": 0.0, "store_ok": False}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._aggregate_loop, daemon=True, name="adapt-controller")
+        self._thread.start()
+
+    # -- the in-process store, for ActorStoreClient ------------------------------------------------
+    def store_call(self, method: str, *args: Any) -> Any:
+        if method not in _STORE_METHODS:
+            raise ValueError(f"method: {method!r} is not a store method")
+        return getattr(self.store, method)(*args)
+
+    # -- load --------------------------------------------------------------------------------------
+    def _aggregate_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                loads = self.store.loads()
+                ok = True
+            except Exception:  # noqa: BLE001 - store down: keep the last view, mark it stale
+                loads, ok = None, False
+            with self._lock:
+                if loads is not None:
+                    self._cluster = {"workers": loads, "time": time.time(), "store_ok": True}
+                else:
+                    self._cluster["store_ok"] = ok
+
+    def cluster_load(self) -> dict[str, Any]:
+        """Totals over live workers plus each worker's load (without counters)."""
+        with self._lock:
+            workers = self._cluster["workers"]
+            view = {w: {k: v for k, v in load.items() if k != "counters"} for w, load in workers.items()}
+            return {"workers": view, "num_workers": len(view),
+                    "running": sum(int(v.get("running", 0)) for v in view.values()),
+                    "waiting": sum(int(v.get("waiting", 0)) for v in view.values()),
+                    "time": self._cluster["time"], "store_ok": self._cluster["store_ok"]}
+
+    # -- policies ----------------------------------------------------------------------------------
+    def push_policy(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return publish_policy(self.store, doc)
+
+    def policy_status(self) -> dict[str, Any]:
+        """The store's current version and the version each live worker runs."""
+        with self._lock:
+            workers = dict(self._cluster["workers"])
+        return {"store_version": self.store.policy_version(),
+                "workers": {w: v.get("policy_version", 0) for w, v in workers.items()},
+                "rejected": {w: v.get("rejected_policies", {}) for w, v in workers.items() if v.get("rejected_policies")}}
+
+    def fit_from_traces(self, count: int | None = None, push: bool = True) -> dict[str, Any]:
+        """Refit on the newest `count` trace records (all when None); publish when `push`."""
+        records = self.store.read_traces(count)
+        current = self.store.get_policy()
+        doc = fit_policy(records, current[1] if current else None)
+        out: dict[str, Any] = {"records": len(records), "report": doc["report"], "policy_version": doc["version"]}
+        if push:
+            out.update(publish_policy(self.store, doc))
+        out["doc"] = doc
+        return out
+
+    def ping(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.store.close()
+
+
+class ActorStoreClient(StateStore):
+    """`StateStore` over the controller actor's in-process store (no Redis URL given)."""
+
+    def __init__(self, controller: Any, timeout_s: float = 5.0, poll_s: float = 0.5):
+        self.controller = controller
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(self.controller.store_call.remote(method, *args), timeout=self.timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            raise ConnectionError(f"controller store unreachable: {exc}") from exc
+
+    def put_load(self, worker_id, load, ttl_s):
+        return self._call("put_load", worker_id, load, ttl_s)
+
+    def loads(self):
+        return self._call("loads")
+
+    def remove_worker(self, worker_id):
+        return self._call("remove_worker", worker_id)
+
+    def put_policy(self, doc):
+        return self._call("put_policy", doc)
+
+    def get_policy(self, version=None):
+        out = self._call("get_policy", version)
+        return None if out is None else (int(out[0]), out[1])
+
+    def policy_version(self):
+        return int(self._call("policy_version"))
+
+    def add_traces(self, records):
+        return self._call("add_traces", records)
+
+    def read_traces(self, count=None):
+        return self._call("read_traces", count)
+
+    def trace_len(self):
+        return int(self._call("trace_len"))
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._call("ping"))
+        except ConnectionError:
+            return False
+
+    def subscribe_policy(self, callback: Callable[[int], None]) -> Subscription:
+        """Polls the version every `poll_s` (actor calls have no push channel)."""
+        stop = threading.Event()
+
+        def poll() -> None:
+            last = -1
+            while not stop.is_set():
+                try:
+                    version = self.policy_version()
+                    if version != last:
+                        last = version
+                        callback(version)
+                except Exception:  # noqa: BLE001 - controller busy or restarting
+                    pass
+                stop.wait(self.poll_s)
+
+        threading.Thread(target=poll, daemon=True, name="adapt-policy-poll").start()
+        return Subscription(stop.set)

@@ -1,0 +1,149 @@
+"""Torch reference for the per-position part of verification (the CPU hot path of the engine).
+
+Verification is split in two (see `kernels.verify`):
+
+1. *Per position* (this module, and `kernels.triton_verify` which must agree with it): for
+   every target row i (a draft position, or a row's bonus position) decide
+   `accept[i]` (keep the drafted token), `token[i]` (what is emitted if the row stops here:
+   the recovered token at a draft position, the bonus token at a bonus position) and
+   `tvd[i]` (the TV distance between the distribution of the token emitted at this position
+   and p; 0 for exact rules and bonus positions).
+2. *Per row* (`kernels.verify._assemble`, shared by both backends): first rejection, padded
+   output, TVD summed over the positions the row decided.
+
+Sampling uses the exponential race: a sample of a non-negative weight vector w (not
+necessarily normalised) is argmax_v w(v) / E(v) with E ~ Exp(1), i.e. `_race` below. Entries
+with w = 0 score 0 (never NaN, even where E = 0); ties go to the lowest index. Where a residual
+has no positive mass at all (possible only through rounding), the target p is sampled instead.
+
+Every decision compares quantities computed elementwise in the same float32 order as the
+Triton kernel; only the vocabulary reductions (TV, entropy, ...) may differ in summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.rules import Rule
+
+
+def race(weights: torch.Tensor, exp_noise: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exponential-race sample of each row of `weights` [R, V] (>= 0) with noise [R, V].
+
+    Returns (token [R] int64, best score [R] f32); best == 0 means the row had no mass.
+    Score = w / E, with 0 where w = 0 (0/0 -> 0) and +inf where w > 0 = E; this equals
+    `where(w > 0, w / E, 0)` elementwise, as the kernel computes it. `inplace` reuses `weights`.
+    """
+    score = weights.div_(exp_noise) if inplace else weights / exp_noise
+    score.nan_to_num_(nan=0.0, posinf=float("inf"))
+    token = score.argmax(dim=-1)                                        # first maximum
+    return token, score.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _race_or_target(weights, p, e):
+    """Race over `weights` (a temporary, overwritten); rows without mass fall back to p."""
+    token, best = race(weights, e, inplace=True)
+    empty = best <= 0
+    if bool(empty.any()):
+        token[empty] = race(p[empty], e[empty])[0]
+    return token
+
+
+def positions_reference(
+    tok: torch.Tensor,          # [R] int64   drafted token per target row (-1 at bonus rows)
+    draft_idx: torch.Tensor,    # [R] int64   row of draft_probs / uniforms (-1 at bonus rows)
+    rule: torch.Tensor,         # [R] int32   rule of the request owning the target row
+    param: torch.Tensor,        # [R] f32
+    param2: torch.Tensor,       # [R] f32
+    uniforms: torch.Tensor,     # [N] f32
+    target_probs: torch.Tensor, # [R, V] f32  (R = N + B)
+    draft_probs,                # [N, V] f32 or None
+    exp_noise: torch.Tensor,    # [R, V] f32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-target-row decisions: (accept [R] bool, token [R] int64, tvd [R] f32)."""
+    num_rows = target_probs.shape[0]
+    device = target_probs.device
+    accept = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    tvd = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    is_bonus = draft_idx < 0
+    greedy = rule == Rule.GREEDY
+
+    # Bonus positions: argmax p on greedy rows, an exact sample of p elsewhere.
+    for group, sample in ((is_bonus & greedy, False), (is_bonus & ~greedy, True)):
+        rows = group.nonzero().squeeze(-1)
+        if rows.numel():
+            p = target_probs.index_select(0, rows)
+            token[rows] = race(p, exp_noise.index_select(0, rows))[0] if sample else p.argmax(-1)
+
+    for rid in Rule:
+        rows = ((rule == rid) & ~is_bonus).nonzero().squeeze(-1)       # [n] target rows
+        if rows.numel() == 0:
+            continue
+        t = draft_idx.index_select(0, rows)                              # [n] draft positions
+        x = tok.index_select(0, rows)[:, None]                           # [n, 1]
+        p = target_probs.index_select(0, rows)                           # [n, V]
+        e = exp_noise.index_select(0, rows)                              # [n, V]
+        px = p.gather(1, x).squeeze(1)                                   # [n]
+        a, y, d = _decide(rid, p, e, x, px, t, param.index_select(0, rows),
+                          param2.index_select(0, rows), uniforms, draft_probs)
+        accept[rows] = a
+        token[rows] = y
+        if d is not None:
+            tvd[rows] = d
+    return accept, token, tvd
+
+
+def _decide(rid, p, e, x, px, t, prm, prm2, uniforms, draft_probs):
+    """(accept [n], token [n], tvd [n] or None) for n draft positions sharing rule `rid`."""
+    if rid == Rule.GREEDY:
+        y = p.argmax(-1)
+        return y == x.squeeze(1), y, None
+    if rid == Rule.MATCH:
+        y = race(p, e)[0]
+        return y == x.squeeze(1), y, None
+    u = uniforms.index_select(0, t)                                      # [n]
+    if rid == Rule.TYPICAL:
+        plogp = torch.where(p > 0, p * torch.log(p), torch.zeros((), device=p.device))
+        entropy = -plogp.sum(-1)                                         # [n]
+        thr = torch.minimum(prm, prm2 * torch.exp(-entropy))
+        acc = px > thr
+        if draft_probs is None:                                          # TVD given the drafted token
+            d = torch.where(acc, 1.0 - px, torch.zeros_like(px))
+        else:
+            q = draft_probs.index_select(0, t)
+            qa = torch.where(p > thr[:, None], q, torch.zeros((), device=p.device))
+            mass = qa.sum(-1, keepdim=True)                              # [n, 1] accepted mass
+            d = 0.5 * (qa - mass * p).abs().sum(-1)
+        return acc, race(p, e)[0], d
+    all_drafts = t.numel() == draft_probs.shape[0]                      # then t = 0..N-1 in order
+    q = draft_probs if all_drafts else draft_probs.index_select(0, t)   # [n, V]
+    qx = q.gather(1, x).squeeze(1)
+    if rid == Rule.REJECTION:
+        acc = u * qx < px                                               # P = min(1, p/q) for u ~ U[0, 1)
+        return acc, _race_or_target(torch.sub(p, q).clamp_(min=0.0), p, e), None
+    if rid == Rule.EPS_TVD:
+        residual = torch.sub(p, q).clamp_(min=0.0)                       # [n, V] (p - q)+
+        tv = residual.sum(-1)                                            # [n] TV(p, q)
+        ratio = torch.where(tv > prm, prm / tv, torch.ones_like(tv))     # share of the gap closed
+        acc = ((px >= qx) & (px > 0)) | (u * qx < px + ratio * (qx - px))
+        return acc, _race_or_target(residual, p, e), torch.minimum(prm, tv)
+    if rid == Rule.LAMBDA:
+        lam = prm
+        acc = u * (lam * qx) < px
+        accepted_mass = torch.where(p >= lam[:, None] * q, q, p / lam[:, None])   # q * min(1, p/(lam q))
+        d = (accepted_mass - p).clamp_min(0.0).sum(-1)
+        return acc, _race_or_target(torch.sub(p, q).clamp_(min=0.0), p, e), d
+    if rid == Rule.SGLANG:
+        t_acc, t_single = prm, prm2
+        acc = (px >= t_single) | (u * t_acc < px)
+        w = p.scatter(1, x, 0.0)                                         # p without the draft
+        y = _race_or_target(w, p, e)
+        # Output law: q(v) a(v) + p(v) (C - c(v)), c(v) = q(v) (1 - a(v)) / (1 - p(v)), C = sum c.
+        one = torch.ones((), device=p.device)
+        a_v = torch.where(p >= t_single[:, None], one, torch.minimum(one, p / t_acc[:, None]))
+        c_v = torch.where(a_v < 1, q * (1 - a_v) / (1 - p), torch.zeros((), device=p.device))
+        c_sum = c_v.sum(-1, keepdim=True)
+        d = 0.5 * (q * a_v + p * (c_sum - c_v) - p).abs().sum(-1)
+        return acc, y, d
+    raise ValueError(f"rule: unknown rule id {int(rid)}")

@@ -1,0 +1,68 @@
+"""Acceptance rules: ids, parameters and which inputs each rule reads.
+
+An *acceptance rule* decides, position by position, whether the target keeps a drafted token.
+The exact rules (GREEDY, REJECTION, MATCH) make the emitted tokens follow the target
+distribution p; the lossy ("lenient") rules accept more drafts and pay for it in total
+variation distance (TVD) between the emitted distribution and p, which `kernels.verify`
+reports exactly (see docs/kernels.md, "TVD spent").
+
+| id | name      | param         | param2           | needs q |
+|----|-----------|---------------|------------------|---------|
+| 0  | GREEDY    | -             | -                | no      |
+| 1  | REJECTION | -             | -                | yes     |
+| 2  | MATCH     | -             | -                | no      |
+| 3  | EPS_TVD   | eps in [0, 1] | -                | yes     |
+| 4  | LAMBDA    | lam in (0, 1] | -                | yes     |
+| 5  | SGLANG    | threshold_acc | threshold_single | yes     |
+| 6  | TYPICAL   | eps (0.09)    | delta (0.3)      | no (q only sharpens the TVD report) |
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Rule(enum.IntEnum):
+    GREEDY = 0      # accept while draft == argmax p; emit argmax p
+    REJECTION = 1   # accept w.p. min(1, p/q); residual max(p - q, 0)
+    MATCH = 2       # accept while draft == a sample of p (exact for any drafter)
+    EPS_TVD = 3     # optimal lenient rule under a per-token TVD budget eps
+    LAMBDA = 4      # accept w.p. min(1, p / (lam q)); residual max(p - q, 0)
+    SGLANG = 5      # accept if p(x) >= threshold_single or coin <= p(x) / threshold_acc
+    TYPICAL = 6     # Medusa typical acceptance: p(x) > min(eps, delta * exp(-H(p)))
+
+
+NUM_RULES = len(Rule)
+EXACT_RULES = frozenset({Rule.GREEDY, Rule.REJECTION, Rule.MATCH})
+LOSSY_RULES = frozenset(set(Rule) - EXACT_RULES)
+NEEDS_DRAFT_PROBS = frozenset({Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG})
+
+# Default parameters (param, param2) for each rule; used by callers that only name a rule.
+DEFAULT_PARAMS: dict[Rule, tuple[float, float]] = {
+    Rule.GREEDY: (0.0, 0.0),
+    Rule.REJECTION: (0.0, 0.0),
+    Rule.MATCH: (0.0, 0.0),
+    Rule.EPS_TVD: (0.05, 0.0),
+    Rule.LAMBDA: (0.5, 0.0),
+    Rule.SGLANG: (1.0, 1.0),
+    Rule.TYPICAL: (0.09, 0.3),
+}
+
+
+def is_exact(rule: int) -> bool:
+    """True for rules whose emitted tokens follow p exactly (given their preconditions)."""
+    return int(rule) in EXACT_RULES
+
+
+def parse_rule(name: str | int) -> Rule:
+    """`Rule` from a name ("eps_tvd", "EPS_TVD") or an id; ValueError naming `rule` otherwise."""
+    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+        value = int(name)
+        if 0 <= value < NUM_RULES:
+            return Rule(value)
+        raise ValueError(f"rule: unknown rule id {value} (expected 0..{NUM_RULES - 1})")
+    try:
+        return Rule[str(name).strip().upper().replace("-", "_")]
+    except KeyError:
+        names = ", ".join(r.name.lower() for r in Rule)
+        raise ValueError(f"rule: unknown rule {name!r} (expected one of {names})") from None

@@ -1,0 +1,217 @@
+"""Triton kernel for the per-position part of verification (mirror of `kernels.reference`).
+
+One program per target row (a draft position or a bonus position); it streams its row of p
+(and q, noise) over the vocabulary in blocks of BLOCK, computing the same decisions, race
+samples and TVD as `positions_reference`. Elementwise arithmetic follows the reference's
+float32 order (IEEE division via `div_rn`, no FMA contraction on CUDA), so tokens and
+accept flags agree exactly; vocabulary sums (TV, entropy, ...) may differ in the last bits
+because the summation order differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rule ids (kernels.rules.Rule) as kernel constants.
+GREEDY, REJECTION, MATCH, EPS_TVD, LAMBDA, SGLANG, TYPICAL = range(7)
+
+# Race weights (MODE) and the auxiliary vocabulary sum (AUX) computed in the same pass.
+W_ARGMAX_P, W_P, W_RESIDUAL, W_P_NOT_X = 0, 1, 2, 3
+AUX_NONE, AUX_TV, AUX_LAMBDA, AUX_PLOGP, AUX_SGLANG_C = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def _pass(p_row, q_row, e_row, V, x, s1, s2,
+          MODE: tl.constexpr, AUX: tl.constexpr, BLOCK: tl.constexpr):
+    """One sweep over the vocabulary: race (or argmax) over weights MODE, plus sum AUX.
+
+    Returns (best score, best index, aux sum). Scores of zero-weight entries are 0 and of
+    padding lanes -1, so the first maximum over valid entries wins (lowest index on ties).
+    """
+    best = tl.full((), -1.0, tl.float32)
+    best_i = tl.full((), 0, tl.int32)
+    aux = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < V
+        p = tl.load(p_row + offs, mask=m, other=0.0)
+        if MODE == 0:
+            s = p
+        else:
+            e = tl.load(e_row + offs, mask=m, other=1.0)
+            if MODE == 1:
+                w = p
+            elif MODE == 2:
+                q = tl.load(q_row + offs, mask=m, other=0.0)
+                w = tl.maximum(p - q, 0.0)
+            else:
+                w = tl.where(offs == x, 0.0, p)
+            s = tl.where(w > 0, tl.math.div_rn(w, e), 0.0)
+        s = tl.where(m, s, -1.0)
+        block_best = tl.max(s, 0)
+        block_i = tl.argmax(s, 0, tie_break_left=True)
+        better = block_best > best
+        best_i = tl.where(better, start + block_i, best_i)
+        best = tl.where(better, block_best, best)
+        if AUX == 1:        # TV(p, q) = sum (p - q)+
+            q = tl.load(q_row + offs, mask=m, other=0.0)
+            aux += tl.maximum(p - q, 0.0)
+        elif AUX == 2:      # sum (q min(1, p / (lam q)) - p)+, lam = s1
+            q = tl.load(q_row + offs, mask=m, other=0.0)
+            acc_mass = tl.where(p >= s1 * q, q, tl.math.div_rn(p, s1))
+            aux += tl.maximum(acc_mass - p, 0.0)
+        elif AUX == 3:      # sum p log p
+            aux += tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0)
+        elif AUX == 4:      # SGLANG: sum c(v), c = q (1 - a) / (1 - p); s1 = t_acc, s2 = t_single
+            q = tl.load(q_row + offs, mask=m, other=0.0)
+            a = tl.where(p >= s2, 1.0, tl.minimum(1.0, tl.math.div_rn(p, s1)))
+            aux += tl.where(a < 1, tl.math.div_rn(q * (1 - a), tl.where(a < 1, 1 - p, 1.0)), 0.0)
+    return best, best_i, tl.sum(aux, 0)
+
+
+@triton.jit
+def _residual(p_row, q_row, e_row, V, x, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Race over a residual (MODE 2 or 3); a sample of p where the residual has no mass."""
+    best, y, _unused = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, MODE, 0, BLOCK)
+    if best <= 0:
+        _b, y, _u = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+    return y
+
+
+@triton.jit
+def _verify_positions_kernel(
+    tok_ptr,        # [R] int64, drafted token (-1 at bonus rows)
+    draft_idx_ptr,  # [R] int64, draft position (-1 at bonus rows)
+    rule_ptr,       # [R] int32
+    param_ptr,      # [R] f32
+    param2_ptr,     # [R] f32
+    u_ptr,          # [N] f32
+    p_ptr,          # [R, V] f32
+    q_ptr,          # [N, V] f32 (p_ptr when HAS_Q is False; never read then)
+    e_ptr,          # [R, V] f32
+    accept_ptr,     # [R] int8 out
+    token_ptr,      # [R] int64 out
+    tvd_ptr,        # [R] f32 out
+    V,
+    HAS_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    t = tl.load(draft_idx_ptr + i)
+    rule = tl.load(rule_ptr + i)
+    p_row = p_ptr + i * V
+    e_row = e_ptr + i * V
+    q_row = q_ptr + tl.maximum(t, 0) * V
+    x = tl.load(tok_ptr + i)
+    prm = tl.load(param_ptr + i)
+    prm2 = tl.load(param2_ptr + i)
+    if t < 0:                                   # bonus position
+        if rule == 0:
+            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
+        else:
+            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+        tl.store(token_ptr + i, y.to(tl.int64))
+        tl.store(accept_ptr + i, tl.zeros((), tl.int8))
+        tl.store(tvd_ptr + i, 0.0)
+    else:
+        px = tl.load(p_row + x)
+        u = tl.load(u_ptr + t)
+        y = tl.zeros((), tl.int32)
+        acc = px != px
+        d = tl.zeros((), tl.float32)
+        if rule == 0:                           # GREEDY
+            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
+            acc = y.to(tl.int64) == x
+        elif rule == 2:                         # MATCH
+            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+            acc = y.to(tl.int64) == x
+        elif rule == 6:                         # TYPICAL
+            _b, y, plogp = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
+            thr = tl.minimum(prm, prm2 * tl.exp(plogp))       # exp(-H(p))
+            acc = px > thr
+            if HAS_Q:
+                mass = tl.zeros((BLOCK,), tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < V
+                    p = tl.load(p_row + offs, mask=m, other=0.0)
+                    q = tl.load(q_row + offs, mask=m, other=0.0)
+                    mass += tl.where(p > thr, q, 0.0)
+                total = tl.sum(mass, 0)
+                dev = tl.zeros((BLOCK,), tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < V
+                    p = tl.load(p_row + offs, mask=m, other=0.0)
+                    q = tl.load(q_row + offs, mask=m, other=0.0)
+                    dev += tl.abs(tl.where(p > thr, q, 0.0) - total * p)
+                d = 0.5 * tl.sum(dev, 0)
+            else:
+                d = tl.where(acc, 1.0 - px, 0.0)
+        else:                                   # rules reading q(x)
+            qx = tl.load(q_row + x)
+            if rule == 1:                       # REJECTION
+                acc = u * qx < px
+                y = _residual(p_row, q_row, e_row, V, x, 2, BLOCK)
+            elif rule == 3:                     # EPS_TVD
+                _b, y, tv = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 2, 1, BLOCK)
+                if _b <= 0:
+                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                ratio = tl.where(tv > prm, tl.math.div_rn(prm, tl.where(tv > prm, tv, 1.0)), 1.0)
+                acc = ((px >= qx) & (px > 0)) | (u * qx < px + ratio * (qx - px))
+                d = tl.minimum(prm, tv)
+            elif rule == 4:                     # LAMBDA
+                _b, y, d = _pass(p_row, q_row, e_row, V, x, prm, 1.0, 2, 2, BLOCK)
+                if _b <= 0:
+                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                acc = u * (prm * qx) < px
+            else:                               # SGLANG: prm = threshold_acc, prm2 = threshold_single
+                _b, y, c_sum = _pass(p_row, q_row, e_row, V, x, prm, prm2, 3, 4, BLOCK)
+                if _b <= 0:
+                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                acc = (px >= prm2) | (u * prm < px)
+                dev = tl.zeros((BLOCK,), tl.float32)
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < V
+                    p = tl.load(p_row + offs, mask=m, other=0.0)
+                    q = tl.load(q_row + offs, mask=m, other=0.0)
+                    a = tl.where(p >= prm2, 1.0, tl.minimum(1.0, tl.math.div_rn(p, prm)))
+                    c = tl.where(a < 1, tl.math.div_rn(q * (1 - a), tl.where(a < 1, 1 - p, 1.0)), 0.0)
+                    dev += tl.abs(q * a + p * (c_sum - c) - p)
+                d = 0.5 * tl.sum(dev, 0)
+        tl.store(token_ptr + i, y.to(tl.int64))
+        tl.store(accept_ptr + i, acc.to(tl.int8))
+        tl.store(tvd_ptr + i, d)
+
+
+def _block_size(vocab: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return min(2048, triton.next_power_of_2(vocab))
+    return min(16384, triton.next_power_of_2(vocab))    # interpreter: fewer, larger blocks
+
+
+def positions_triton(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
+                     exp_noise, *, block: int | None = None):
+    """Triton twin of `kernels.reference.positions_reference` (same arguments and outputs).
+
+    `block` overrides the vocabulary block size (a power of two; tests use small blocks to
+    exercise the multi-block path in the interpreter).
+    """
+    num_rows, vocab = target_probs.shape
+    device = target_probs.device
+    accept = torch.empty(num_rows, dtype=torch.int8, device=device)
+    token = torch.empty(num_rows, dtype=torch.int64, device=device)
+    tvd = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return accept.bool(), token, tvd
+    has_q = draft_probs is not None
+    extra = {"num_warps": 8, "enable_fp_fusion": False} if device.type == "cuda" else {}
+    _verify_positions_kernel[(num_rows,)](
+        tok.contiguous(), draft_idx.contiguous(), rule.contiguous(), param.contiguous(),
+        param2.contiguous(), uniforms.contiguous(), target_probs,
+        draft_probs if has_q else target_probs, exp_noise, accept, token, tvd, vocab,
+        HAS_Q=has_q, BLOCK=block or _block_size(vocab, device), **extra)
+    return accept.bool(), token, tvd

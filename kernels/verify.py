@@ -1,0 +1,198 @@
+"""`verify`: one entry point that verifies a ragged batch of drafts under per-row rules.
+
+Vocabulary (following vLLM's rejection sampler):
+- *draft tokens*: the k_r tokens row r proposes, flat over the batch; row r owns
+  `draft_tokens[cu[r]:cu[r+1]]`.
+- *target rows*: `target_probs` has k_r + 1 rows per request, at `cu[r] + r .. cu[r+1] + r`;
+  row `cu[r] + r + j` is the target distribution p at draft position j, the last one the
+  *bonus* position after all drafts.
+- *accepted tokens*: the drafts before the first rejection (a_r of them).
+- *recovered token*: what the rule emits at the first rejected position instead of the draft.
+- *bonus token*: a sample of p at the bonus position, emitted when all k_r drafts are accepted.
+Each row emits a_r + 1 tokens: the accepted drafts, then the recovered or bonus token.
+
+*TVD spent* (`tvd_spent`): for each position the row *decided* (its accepted positions plus the
+rejecting one), the total variation distance between the law of the token emitted there and p,
+given the emitted prefix; the law is over the draft token x ~ q and the rule's coins. Summed
+over those positions. The bonus position samples p and adds 0; exact rules add 0. By the union
+bound, the sum bounds the TV distance of the row's emitted sequence from the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kernels.rules import NEEDS_DRAFT_PROBS, NUM_RULES, Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOutput:
+    tokens: torch.Tensor        # [B, max_k + 1] int64, emitted tokens, padded with -1
+    num_accepted: torch.Tensor  # [B] int32, accepted drafts a_r (emitted = a_r + 1)
+    tvd_spent: torch.Tensor     # [B] f32, TVD this step added to the row (0 for exact rules)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Triton on CUDA, or anywhere when ADAPT_FORCE_TRITON=1 (tests, with TRITON_INTERPRET=1)."""
+    return device.type == "cuda" or os.environ.get("ADAPT_FORCE_TRITON", "") == "1"
+
+
+def verify(
+    draft_tokens: torch.Tensor,    # [N] int64
+    cu_num_draft: torch.Tensor,    # [B + 1] int32, cu[0] = 0
+    target_probs: torch.Tensor,    # [N + B, V] f32
+    draft_probs,                   # [N, V] f32 or None
+    rule: torch.Tensor,            # [B] int32
+    param: torch.Tensor,           # [B] f32
+    param2: torch.Tensor,          # [B] f32
+    uniforms: torch.Tensor,        # [N] f32, U(0, 1)
+    exp_noise: torch.Tensor,       # [N + B, V] f32, Exp(1)
+    max_k: int,
+    *,
+    check: bool = True,
+    backend: str = "auto",
+) -> VerifyOutput:
+    """Verify the drafts of a ragged batch; see the module docstring and docs/contracts.md §2.
+
+    `check=True` validates values (ids, parameters, offsets) at the cost of one host sync;
+    shapes and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
+    ADAPT_FORCE_TRITON=1, the torch reference otherwise), "triton" or "torch".
+    """
+    _check_shapes(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
+                  uniforms, exp_noise, max_k)
+    if check:
+        _check_values(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
+                      max_k)
+    tok, draft_idx, rule_r, param_r, param2_r = _layout(draft_tokens, cu_num_draft, rule, param,
+                                                        param2)
+    if backend == "auto":
+        backend = "triton" if use_triton(target_probs.device) else "torch"
+    if backend == "triton":
+        from kernels.triton_verify import positions_triton as positions
+    elif backend == "torch":
+        from kernels.reference import positions_reference as positions
+    else:
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+    accept, token, tvd = positions(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
+                                   target_probs, draft_probs, exp_noise)
+    return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
+
+
+def _layout(draft_tokens, cu, rule, param, param2):
+    """Per-target-row views: drafted token, draft index (-1 at bonus rows), rule and params."""
+    num_drafts = draft_tokens.shape[0]
+    batch = cu.shape[0] - 1
+    device = draft_tokens.device
+    cu = cu.to(torch.int64)
+    per_row = cu[1:] - cu[:-1] + 1                                       # [B] target rows per request
+    row = torch.repeat_interleave(torch.arange(batch, device=device), per_row,
+                                  output_size=num_drafts + batch)       # [R]
+    draft_idx = torch.arange(num_drafts + batch, device=device) - row   # [R]
+    draft_idx = torch.where(draft_idx == cu[1:][row], -1, draft_idx)    # bonus rows -> -1
+    tok = torch.where(draft_idx >= 0, draft_tokens[draft_idx.clamp_min(0)] if num_drafts else -1, -1)
+    return (tok, draft_idx, rule.to(torch.int32)[row], param.to(torch.float32)[row],
+            param2.to(torch.float32)[row])
+
+
+def _assemble(accept, token, tvd, draft_tokens, cu, max_k) -> VerifyOutput:
+    """Per-row outputs from per-target-row decisions (shared by both backends)."""
+    batch = cu.shape[0] - 1
+    device = token.device
+    cu = cu.to(torch.int64)
+    k = cu[1:] - cu[:-1]                                                 # [B]
+    j = torch.arange(max_k + 1, device=device)                          # [K + 1]
+    valid = j[None, :max_k] < k[:, None]                                 # [B, K]
+    trow = (cu + torch.arange(batch + 1, device=device))[:-1, None] + j  # [B, K + 1] target rows
+    trow = trow.clamp_max(token.shape[0] - 1)
+    acc = accept[trow[:, :max_k]] & valid                                # [B, K]
+    num_acc = acc.to(torch.int32).cumprod(dim=1).sum(dim=1) if max_k else torch.zeros(batch, dtype=torch.int64, device=device)
+    last = token.gather(0, (cu[:-1] + torch.arange(batch, device=device) + num_acc).clamp_max(token.shape[0] - 1))
+    drafts = draft_tokens[(cu[:-1, None] + j[None, :max_k]).clamp_max(max(draft_tokens.shape[0] - 1, 0))] \
+        if draft_tokens.shape[0] else torch.zeros(batch, max_k, dtype=torch.int64, device=device)
+    out = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=device)
+    out[:, :max_k] = torch.where(j[None, :max_k] < num_acc[:, None], drafts, -1)
+    out.scatter_(1, num_acc[:, None].to(torch.int64), last[:, None])
+    decided = valid & (j[None, :max_k] <= num_acc[:, None])             # accepted + the rejecting one
+    spent = torch.where(decided, tvd[trow[:, :max_k]], 0.0).sum(dim=1) if max_k else torch.zeros(batch, device=device)
+    return VerifyOutput(tokens=out, num_accepted=num_acc.to(torch.int32), tvd_spent=spent.to(torch.float32))
+
+
+def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, uniforms,
+                  exp_noise, max_k):
+    def need(cond, field, msg):
+        if not cond:
+            raise ValueError(f"{field}: {msg}")
+
+    need(draft_tokens.dim() == 1 and draft_tokens.dtype == torch.int64, "draft_tokens",
+         f"expected a 1-D int64 tensor, got {tuple(draft_tokens.shape)} {draft_tokens.dtype}")
+    need(cu.dim() == 1 and cu.shape[0] >= 1 and not cu.dtype.is_floating_point, "cu_num_draft",
+         f"expected a 1-D integer tensor [batch + 1], got {tuple(cu.shape)} {cu.dtype}")
+    n, b = draft_tokens.shape[0], cu.shape[0] - 1
+    need(isinstance(max_k, int) and max_k >= 0, "max_k", f"expected an int >= 0, got {max_k!r}")
+    need(target_probs.dim() == 2 and target_probs.shape[0] == n + b, "target_probs",
+         f"expected [num_tokens + batch, vocab] = [{n + b}, V], got {tuple(target_probs.shape)}")
+    need(target_probs.dtype == torch.float32, "target_probs", f"expected float32, got {target_probs.dtype}")
+    vocab = target_probs.shape[1]
+    need(vocab > 0, "target_probs", "vocab size must be > 0")
+    need(target_probs.is_contiguous(), "target_probs", "must be contiguous")
+    need(tuple(exp_noise.shape) == (n + b, vocab) and exp_noise.dtype == torch.float32
+         and exp_noise.is_contiguous(), "exp_noise",
+         f"expected contiguous float32 [{n + b}, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
+    if draft_probs is not None:
+        need(tuple(draft_probs.shape) == (n, vocab) and draft_probs.dtype == torch.float32
+             and draft_probs.is_contiguous(), "draft_probs",
+             f"expected contiguous float32 [{n}, {vocab}], got {tuple(draft_probs.shape)} {draft_probs.dtype}")
+    need(tuple(uniforms.shape) == (n,) and uniforms.dtype == torch.float32, "uniforms",
+         f"expected float32 [{n}], got {tuple(uniforms.shape)} {uniforms.dtype}")
+    for name, tensor in (("rule", rule), ("param", param), ("param2", param2)):
+        need(tuple(tensor.shape) == (b,), name, f"expected [{b}] (one per row), got {tuple(tensor.shape)}")
+    need(not rule.dtype.is_floating_point, "rule", f"expected an integer tensor, got {rule.dtype}")
+    device = target_probs.device
+    for name, tensor in (("draft_tokens", draft_tokens), ("cu_num_draft", cu), ("rule", rule),
+                         ("param", param), ("param2", param2), ("uniforms", uniforms),
+                         ("exp_noise", exp_noise), ("draft_probs", draft_probs)):
+        need(tensor is None or tensor.device == device, name,
+             f"on {tensor.device if tensor is not None else None}, expected {device} (target_probs' device)")
+
+
+def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, max_k):
+    """All value checks in one host sync."""
+    vocab = target_probs.shape[1]
+    k = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
+    r = rule.to(torch.int64)
+    false = torch.zeros((), dtype=torch.bool, device=cu.device)
+    needs_q = torch.zeros_like(r, dtype=torch.bool)
+    for rid in NEEDS_DRAFT_PROBS:
+        needs_q |= r == rid
+    flags = torch.stack([
+        cu[0] != 0,
+        (k < 0).any() if k.numel() else false,
+        (k > max_k).any() if k.numel() else false,
+        cu[-1] != draft_tokens.shape[0],
+        ((draft_tokens < 0) | (draft_tokens >= vocab)).any(),
+        ((r < 0) | (r >= NUM_RULES)).any(),
+        needs_q.any() if draft_probs is None else false,
+        ((r == Rule.EPS_TVD) & ~((param >= 0) & (param <= 1))).any(),
+        ((r == Rule.LAMBDA) & ~((param > 0) & (param <= 1))).any(),
+        ((r == Rule.SGLANG) & ~((param > 0) & (param <= 1) & (param2 > 0) & (param2 <= 1))).any(),
+        ((r == Rule.TYPICAL) & ~((param > 0) & (param2 > 0))).any(),
+    ]).tolist()
+    messages = [
+        ("cu_num_draft", "cu_num_draft[0] must be 0"),
+        ("cu_num_draft", "must be non-decreasing"),
+        ("max_k", f"a row has more than max_k = {max_k} drafts"),
+        ("cu_num_draft", f"cu_num_draft[-1] must equal num_tokens = {draft_tokens.shape[0]}"),
+        ("draft_tokens", f"token ids must lie in [0, {vocab})"),
+        ("rule", f"rule ids must lie in [0, {NUM_RULES})"),
+        ("draft_probs", "required by rules REJECTION, EPS_TVD, LAMBDA and SGLANG"),
+        ("param", "EPS_TVD needs eps in [0, 1]"),
+        ("param", "LAMBDA needs lambda in (0, 1]"),
+        ("param", "SGLANG needs threshold_acc (param) and threshold_single (param2) in (0, 1]"),
+        ("param", "TYPICAL needs eps (param) > 0 and delta (param2) > 0"),
+    ]
+    for bad, (field, msg) in zip(flags, messages):
+        if bad:
+            raise ValueError(f"{field}: {msg}")

@@ -1,0 +1,149 @@
+"""`adaptive`: our controller. Per pass and per row it picks diffusion steps, draft length and
+leniency to maximise the batch's *weighted* goodput, where a row's weight grows with how far it is
+behind its latency target (and with its priority).
+
+Before drafting (`_steps`): for each row and each candidate ``s`` in ``steps_grid`` the prior head
+predicts the survival curve; a planned prefix (slots worth more than the current marginal cost of
+a token) gives the expected tokens ``E[r, s]`` and tokens verified. Rows are then raised level by
+level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are admitted while the batch rate
+
+    Θ_w = Σ_r w_r E[r, s_r] / step_ms(tokens, rows per drafter pass)
+
+rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft) is a candidate when
+``allow_no_draft``.
+
+After drafting (`_verify`): each ε row gets the ε-TVD rule with its leniency (its ε, capped by
+the total budget left, only where the draft probabilities are true conditionals and T > 0);
+lossless rows get their exact rule. Survival under that rule, times the row weight, ranks every
+slot of the batch and `greedy_prefix` admits slots while Θ_w rises. Sampled lossless rows whose
+draft features may depend on their own earlier draws (REJECTION after s > 1 left-to-right
+denoising) are decided by a per-row threshold instead: position ``j`` is verified iff
+``w_r a_{r,j} ≥ λ``, with ``λ`` fixed before drafting, so that the decision at ``j`` reads only
+positions ``≤ j`` (non-anticipating).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.rules import Rule
+from policies.base import Policy, make_verify_decision, rows_per_pass
+from policies.common import lenient_eps
+from policies.greedy import greedy_prefix
+from policies.static import rules_from
+
+
+class AdaptivePolicy(Policy):
+    name = "adaptive"
+
+    def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = False, sla_weight: float = 2.0,
+                 sla_slack: float = 0.9, priority_weight: float = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        grid = sorted({int(s) for s in steps_grid})
+        if not grid or grid[0] < 1:
+            raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
+        if sla_weight < 0 or priority_weight < 0:
+            raise ValueError("sla_weight/priority_weight: must be >= 0")
+        self.steps_grid = tuple(grid)
+        self.allow_no_draft = bool(allow_no_draft)
+        self.sla_weight, self.sla_slack, self.priority_weight = float(sla_weight), float(sla_slack), float(priority_weight)
+        # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
+        # before the next step's drafting; 0 until the first step
+        self.threshold = torch.tensor(0.0)
+
+    def weights(self, ctx) -> torch.Tensor:
+        """[B] row weight: 1, more for higher priority, up to 1 + 2·sla_weight when far behind target
+        (computed once per step and kept in ``ctx``)."""
+        if "w" not in ctx:
+            behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
+            ctx["w"] = (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
+        return ctx["w"]
+
+    # -- before drafting ---------------------------------------------------------------------------
+    def _steps(self, rows, ctx):
+        B = len(rows.request_ids)
+        K = int(getattr(rows, "block_size", 0) or self.block_size)
+        if B == 0 or K == 0:
+            return torch.zeros(B, dtype=torch.int64)
+        if len(self.steps_grid) == 1 and not self.allow_no_draft:
+            return torch.full((B,), self.steps_grid[0], dtype=torch.int64)
+        dev = rows.temperature.device
+        pred = self._predictor_on(dev)
+        w = self.weights(ctx)                                                         # [B]
+        temp = rows.temperature.to(dev)
+        grid = torch.tensor(self.steps_grid, device=dev)                              # [S]
+        S = grid.numel()
+        cond = (grid[None, :] <= 1) | ctx["left_to_right"][:, None]                   # [B, S]
+        match = (temp[:, None] > 0) & ~cond
+        eps = torch.where(temp > 0, torch.minimum(ctx["eps"], ctx["budget_left"] / K), torch.zeros_like(temp))
+        eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
+        surv = pred.prior_survival(grid, K, temp, rows.recent_accept.to(dev), match, eps)   # [B, S, K]
+        keep = w[:, None, None] * surv >= self.threshold.to(dev)                       # planned prefix
+        gain = w[:, None] * (1.0 + (surv * keep).sum(-1))                             # [B, S]
+        toks = 1.0 + keep.sum(-1).float()                                             # [B, S]
+        # level by level (s = 0 -> s_1 -> s_2 ...): admit the rows that gain most while Θ_w rises
+        if self.allow_no_draft:
+            cur_gain, cur_tok, prev_s, first = w.clone(), torch.ones(B, device=dev), 0, 0
+            level = torch.full((B,), -1, dtype=torch.int64, device=dev)
+            fixed_draft = torch.zeros((), dtype=torch.float64)
+        else:
+            cur_gain, cur_tok, prev_s, first = gain[:, 0].clone(), toks[:, 0].clone(), self.steps_grid[0], 1
+            level = torch.zeros(B, dtype=torch.int64, device=dev)
+            fixed_draft = prev_s * self.cost.draft_ms(torch.tensor([[float(B)]]))[0]
+        n = torch.arange(B + 1, dtype=torch.float64)[:, None]                         # [B+1, 1]
+        for i in range(first, S):
+            s = self.steps_grid[i]
+            eligible = level == i - 1
+            d_gain = torch.where(eligible, gain[:, i] - cur_gain, torch.zeros_like(cur_gain))
+            order = torch.argsort(torch.where(eligible, d_gain, torch.full_like(d_gain, -1e9)), descending=True)
+            d_tok = (toks[:, i] - cur_tok)[order].cpu()
+            g = torch.cat([torch.zeros(1), d_gain[order].cpu().cumsum(0)])              # [B+1]
+            t = torch.cat([torch.zeros(1), d_tok.cumsum(0)])
+            ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * self.cost.draft_ms(n)
+            theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
+            count = int(eligible.sum())
+            n_star = int(torch.argmax(theta[: count + 1]))
+            if n_star == 0:
+                break
+            chosen = order[:n_star]
+            cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
+            fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms(torch.tensor([[float(n_star)]]))[0]
+            prev_s = s
+        return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
+
+    # -- after drafting ----------------------------------------------------------------------------
+    def _verify(self, rows, draft, ctx):
+        B, K = draft.confidence.shape
+        dev = draft.confidence.device
+        pred = self._predictor_on(dev)
+        w = self.weights(ctx).to(dev)
+        temp = rows.temperature.to(dev)
+        drafted = draft.steps > 0
+        eps = lenient_eps(ctx["eps"], ctx["budget_left"], torch.full((B,), K, device=dev), draft.steps,
+                          draft.conditional)
+        eps = torch.where(temp > 0, eps, torch.zeros_like(eps))                     # [B]
+        match = (draft.exact_rule == int(Rule.MATCH)) & (eps == 0)
+        a = pred.survival(draft.confidence, draft.entropy, draft.margin, temp, rows.recent_accept.to(dev),
+                          draft.steps, match, eps) * drafted[:, None]                 # [B, K]
+        values = w[:, None] * torch.cummin(a, dim=1).values                           # [B, K]
+        # rows whose features may depend on their own earlier draws: a per-row threshold fixed before drafting
+        max_s = int(draft.steps.max()) if B else 0
+        rpp = rows_per_pass(draft.steps.cpu(), max_s)
+        cost_fn = lambda tokens: self.cost.step_ms(tokens.cpu(), rpp).to(dev)  # noqa: E731
+        if max_s > 1 and bool(ctx["left_to_right"].any()):
+            sensitive = (temp > 0) & (eps == 0) & (draft.exact_rule == int(Rule.REJECTION)) & (draft.steps > 1)
+            lam = self.threshold.to(dev)
+            k_sens = torch.where(sensitive, (values >= lam).sum(1), torch.zeros(B, dtype=torch.int64, device=dev))
+            sens_gain = (values * (values >= lam) * sensitive[:, None]).sum()
+            k_greedy, theta = greedy_prefix(values * (~sensitive)[:, None], w.sum() + sens_gain, B + k_sens.sum(),
+                                            cost_fn, "argmax")
+            k = torch.where(sensitive, k_sens, k_greedy).to(torch.int64)
+        else:
+            k, theta = greedy_prefix(values, w.sum(), B, cost_fn, "argmax")
+        # λ for the next step: Θ_w at the optimum times the marginal ms of one more verified token
+        tokens = (B + k.sum()).cpu().double()
+        dms = (self.cost.step_ms(tokens + 8.0, rpp) - self.cost.step_ms(tokens, rpp)) / 8.0
+        self.threshold = (theta.cpu().double() * dms.clamp_min(0.0)).float()
+        eps = torch.where(k > 0, eps, torch.zeros_like(eps))
+        rule, param = rules_from(draft, eps)
+        return make_verify_decision(k, rule, param)

@@ -1,0 +1,148 @@
+"""The policy interface: a `DecisionMaker` (docs/contracts.md §5) with memory and timing.
+
+A *policy* answers three calls from the engine every step, for every row of the batch:
+
+- ``choose_steps(rows) -> [B] int64``: diffusion steps ``s`` before drafting (0 = no draft);
+- ``choose_verify(rows, draft) -> VerifyDecision``: after drafting, the draft length ``k`` to
+  verify and the acceptance rule with its parameters (the leniency);
+- ``observe(rows, outcome)``: what happened (accepted drafts, TVD spent, step time).
+
+`Policy` implements the bookkeeping every policy needs (per-request targets and SLA progress,
+budgets, decision timing, online cost correction) and leaves two methods to subclasses:
+`_steps(rows, ctx)` and `_verify(rows, draft, ctx)`. Policies never import `adapt`: a fitted
+acceptance predictor and step-cost model are handed in (`predictor=`, `cost=`; see
+`adapt.controller.build_policy`), with simple built-in stand-ins from `policies.defaults`.
+
+Every policy must keep three promises, whatever it optimises:
+1. lossless rows get only exact rules (GREEDY, REJECTION, MATCH as `common.exact_rules` picks);
+2. ε rows spend at most ε per token and never more than their total budget left;
+3. for sampled lossless rows, the draft length of position ``j`` depends only on features of
+   positions ``≤ j`` and on other rows (non-anticipation; docs/controller.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from policies.common import RequestBook
+from policies.defaults import ConfidenceSurvival, LinearCost
+
+
+def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: torch.Tensor, param2: torch.Tensor | None = None):
+    """Build the engine's `VerifyDecision` (imported lazily: the engine package is heavier)."""
+    from workers.decisions import VerifyDecision
+
+    if param2 is None:
+        param2 = torch.zeros_like(param)
+    return VerifyDecision(draft_len=draft_len.to(torch.int64), rule=rule.to(torch.int32),
+                          param=param.to(torch.float32), param2=param2.to(torch.float32))
+
+
+class Policy:
+    """Base class of every policy. Subclasses set `name` and implement `_steps` and `_verify`."""
+
+    name = "base"
+
+    def __init__(self, predictor=None, cost=None, block_size: int = 16, online_cost: bool = True):
+        self.predictor = predictor if predictor is not None else ConfidenceSurvival()
+        self.cost = cost if cost is not None else LinearCost()
+        self.block_size = int(block_size)
+        self.online_cost = bool(online_cost)
+        self.book = RequestBook()
+        self.decision_s = 0.0
+        self.steps_decided = 0
+        self.last_steps: torch.Tensor | None = None
+        self._devices: dict[str, object] = {}
+        self.throughput = 0.0  # EMA of emitted tokens per ms, the Θ used as a marginal value
+
+    # -- hot reload ------------------------------------------------------------------------------
+    def update(self, predictor=None, cost=None, **settings) -> None:
+        """Swap in a new predictor / cost model / settings between steps."""
+        if predictor is not None:
+            self.predictor = predictor
+            self._devices.clear()
+        if cost is not None:
+            self.cost = cost
+        for key, value in settings.items():
+            if not hasattr(self, key):
+                raise ValueError(f"{key}: not a setting of policy {self.name!r}")
+            setattr(self, key, value)
+
+    def _predictor_on(self, device: torch.device):
+        key = str(device)
+        if key not in self._devices:
+            to = getattr(self.predictor, "to", None)
+            self._devices[key] = to(device) if to else self.predictor
+        return self._devices[key]
+
+    def _ctx(self, rows, device) -> dict:
+        """Per-row targets, budgets and lateness for this step (computed once per RowState)."""
+        cached = getattr(self, "_ctx_cache", None)
+        if cached is not None and cached[0] is rows and cached[1] == str(device):
+            return cached[2]
+        ctx = self.book.tensors(rows, device)
+        self._ctx_cache = (rows, str(device), ctx)
+        return ctx
+
+    # -- the DecisionMaker protocol --------------------------------------------------------------
+    def choose_steps(self, rows) -> torch.Tensor:
+        t0 = time.thread_time()
+        device = rows.temperature.device
+        ctx = self._ctx(rows, device)
+        steps = self._steps(rows, ctx).to(device=device, dtype=torch.int64)
+        self.last_steps = steps
+        self.decision_s += time.thread_time() - t0
+        return steps
+
+    def choose_verify(self, rows, draft):
+        t0 = time.thread_time()
+        self.block_size = int(draft.confidence.shape[1]) or self.block_size
+        ctx = self._ctx(rows, draft.confidence.device)
+        decision = self._verify(rows, draft, ctx)
+        self.decision_s += time.thread_time() - t0
+        self.steps_decided += 1
+        return decision
+
+    def observe(self, rows, outcome) -> None:
+        t0 = time.thread_time()
+        accepted = torch.as_tensor(outcome.accepted).cpu()
+        step_ms = outcome_ms(outcome)
+        emitted = accepted + 1
+        self.book.observe(rows, emitted, step_ms)
+        if step_ms > 0:
+            rate = float(emitted.sum()) / step_ms
+            self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
+        if self.online_cost and hasattr(self.cost, "observe") and self.last_steps is not None:
+            max_s = int(self.last_steps.max()) if self.last_steps.numel() else 0
+            levels = torch.arange(1, max_s + 1)
+            rows_per_pass = (self.last_steps.cpu()[None, :] >= levels[:, None]).sum(1)
+            self.cost.observe(float(outcome.num_tokens), rows_per_pass, step_ms,
+                              getattr(outcome, "verify_ms", None), getattr(outcome, "draft_ms", None))
+        self.decision_s += time.thread_time() - t0
+
+    # -- to implement ----------------------------------------------------------------------------
+    def _steps(self, rows, ctx: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _verify(self, rows, draft, ctx: dict):
+        raise NotImplementedError
+
+    # -- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        n = max(self.steps_decided, 1)
+        return {"policy": self.name, "steps_decided": self.steps_decided,
+                "decision_ms_per_step": 1e3 * self.decision_s / n}
+
+
+def outcome_ms(outcome) -> float:
+    """Wall time of a step in ms (`StepOutcome.step_time` is in seconds)."""
+    ms = getattr(outcome, "step_ms", None)
+    return float(ms) if ms is not None else 1e3 * float(outcome.step_time)
+
+
+def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
+    """steps: [B] -> [max_steps] rows in each denoising pass."""
+    levels = torch.arange(1, max_steps + 1, device=steps.device)
+    return (steps[None, :] >= levels[:, None]).sum(1)

@@ -1,0 +1,162 @@
+"""Helpers every policy shares: exact rule choice, quality budgets, SLA progress per request.
+
+Words used here:
+- *exact rule* of a row: GREEDY at temperature 0; REJECTION when the draft probabilities q are the
+  proposal's true conditionals (one diffusion step, or left-to-right commits); MATCH otherwise
+  (confidence-ordered multi-step drafts), which is exact for any drafter (docs/controller.md).
+- *leniency* ε of a row: the per-token TVD the ε-TVD rule may spend on it this step; 0 for
+  lossless rows, at most the request's ``tvd=E`` and never more than its total budget left.
+- *lateness* of a request: its measured time per output token divided by its TPOT target
+  (> 1 means behind target); 0 when it has no latency target.
+
+Request targets arrive opaquely in ``RowState.targets`` (an `adapt.targets.RequestTargets` or
+None); this module reads them by attribute so that `policies` does not import `adapt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.rules import Rule
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """What a policy needs from one request's targets and knobs, read once per request."""
+
+    eps: float                 # per-token TVD budget (0 = lossless)
+    budget_total: float        # total TVD budget (inf = none)
+    tpot_ms: float             # TPOT target (inf = none)
+    priority: int
+    left_to_right: bool        # the drafter commits left to right (q is the true conditional)
+
+
+def row_info(knobs, targets) -> RowInfo:
+    """Merge a request's static knobs and its targets; the stricter quality wins (the engine
+    enforces exact rules whenever the knobs say lossless)."""
+    budgets = []
+    if knobs is not None:
+        budgets.append(float(getattr(knobs, "tvd_budget", 0.0) or 0.0))
+    budget, tpot, priority = float("inf"), float("inf"), 0
+    if targets is not None:
+        budgets.append(float(getattr(getattr(targets, "quality", None), "eps", 0.0) or 0.0))
+        total = getattr(targets, "tvd_budget_total", None)
+        budget = float(total) if total is not None else float("inf")
+        t = getattr(targets, "effective_tpot_ms", None)
+        tpot = float(t) if t is not None else float("inf")
+        priority = int(getattr(targets, "priority", 0) or 0)
+    eps = min(budgets) if budgets else 0.0
+    order = getattr(knobs, "commit_order", "confidence") if knobs is not None else "confidence"
+    return RowInfo(eps=eps, budget_total=budget, tpot_ms=tpot, priority=priority,
+                   left_to_right=order == "left-to-right")
+
+
+class RequestBook:
+    """Per-request memory of a policy: targets read once, decode time and tokens so far.
+
+    ``observe`` adds each step's time to every row in it and the row's emitted tokens; the
+    lateness of a request is ``(elapsed / tokens) / tpot_target``. While the batch keeps the same
+    requests in the same order (most steps), everything stays in tensors and a step costs a few
+    tensor ops; when the batch changes, the per-request values move through dictionaries.
+    Requests not seen for ``forget_after`` steps are dropped.
+    """
+
+    def __init__(self, forget_after: int = 256):
+        self.info: dict[str, RowInfo] = {}
+        self.elapsed_ms: dict[str, float] = {}
+        self.tokens: dict[str, float] = {}
+        self.last_seen: dict[str, int] = {}
+        self.tick = 0
+        self.forget_after = forget_after
+        self.key: tuple = ()
+        self.static: dict[str, torch.Tensor] = {}
+        self.elapsed = torch.zeros(0)
+        self.count = torch.zeros(0)
+
+    def _flush(self) -> None:
+        """Write the running tensors of the current batch back to the dictionaries."""
+        if self.key:
+            for rid, e, n in zip(self.key, self.elapsed.tolist(), self.count.tolist()):
+                self.elapsed_ms[rid], self.tokens[rid] = e, n
+                self.last_seen[rid] = self.tick
+
+    def _load(self, rows) -> None:
+        key = tuple(rows.request_ids)
+        if key == self.key:
+            return
+        self._flush()
+        infos = []
+        for i, rid in enumerate(key):
+            info = self.info.get(rid)
+            if info is None:
+                info = self.info[rid] = row_info(rows.knobs[i], rows.targets[i])
+            infos.append(info)
+        self.static = {
+            "eps": torch.tensor([i.eps for i in infos], dtype=torch.float32),
+            "total": torch.tensor([i.budget_total for i in infos], dtype=torch.float32),
+            "tpot_ms": torch.tensor([i.tpot_ms for i in infos], dtype=torch.float32),
+            "priority": torch.tensor([i.priority for i in infos], dtype=torch.float32),
+            "left_to_right": torch.tensor([i.left_to_right for i in infos], dtype=torch.bool),
+        }
+        self.elapsed = torch.tensor([self.elapsed_ms.get(r, 0.0) for r in key], dtype=torch.float32)
+        self.count = torch.tensor([self.tokens.get(r, 0.0) for r in key], dtype=torch.float32)
+        self.key = key
+        self._forget()
+
+    def _forget(self) -> None:
+        if len(self.info) > 4 * max(len(self.key), 64):
+            live = set(self.key)
+            stale = [r for r in self.info if r not in live and self.tick - self.last_seen.get(r, 0) > self.forget_after]
+            for r in stale:
+                for d in (self.info, self.elapsed_ms, self.tokens, self.last_seen):
+                    d.pop(r, None)
+
+    def tensors(self, rows, device) -> dict[str, torch.Tensor]:
+        """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness."""
+        self._load(rows)
+        st = self.static
+        spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
+        measured = self.elapsed / self.count.clamp_min(1.0)
+        lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
+        out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
+               "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness}
+        if device is not None and torch.device(device).type != "cpu":
+            out = {k: v.to(device) for k, v in out.items()}
+        return out
+
+    def observe(self, rows, emitted: torch.Tensor, step_ms: float) -> None:
+        """emitted: [B] tokens each row received this step."""
+        self.tick += 1
+        self._load(rows)
+        self.elapsed += step_ms
+        self.count += emitted.float()
+
+
+def exact_rules(temperature: torch.Tensor, steps: torch.Tensor, left_to_right: torch.Tensor) -> torch.Tensor:
+    """[B] int32 exact rule per row: GREEDY at T = 0, REJECTION if q is the true conditional
+    (s ≤ 1 or left-to-right commits), MATCH otherwise."""
+    q_exact = (steps <= 1) | left_to_right
+    rule = torch.where(q_exact, int(Rule.REJECTION), int(Rule.MATCH))
+    return torch.where(temperature <= 0, int(Rule.GREEDY), rule).to(torch.int32)
+
+
+def lenient_eps(eps: torch.Tensor, budget_left: torch.Tensor, draft_len: torch.Tensor, steps: torch.Tensor,
+                left_to_right: torch.Tensor) -> torch.Tensor:
+    """[B] leniency this step: the row's ε, capped so that ε · k never exceeds the total budget left,
+    and 0 where q is not the true conditional (the ε-TVD rule's TVD guarantee needs it)."""
+    cap = budget_left / draft_len.clamp_min(1).to(budget_left.dtype)
+    e = torch.minimum(eps, cap)
+    ok = ((steps <= 1) | left_to_right) & (steps > 0) & (draft_len > 0)
+    return torch.where(ok, e, torch.zeros_like(e)).clamp_min(0.0)
+
+
+def rules_for(temperature: torch.Tensor, steps: torch.Tensor, left_to_right: torch.Tensor,
+              eps_step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rule [B] int32, param [B] float32): EPS_TVD with ε where ε > 0, the exact rule otherwise."""
+    exact = exact_rules(temperature, steps, left_to_right)
+    lenient = eps_step > 0
+    rule = torch.where(lenient, torch.full_like(exact, int(Rule.EPS_TVD)), exact)
+    param = torch.where(lenient, eps_step, torch.zeros_like(eps_step)).to(torch.float32)
+    return rule, param

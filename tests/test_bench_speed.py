@@ -1,0 +1,87 @@
+"""`adapt bench speed` end to end on a tiny pair: the JSON it writes, the plot, the skips.
+
+Timing is the benchmark's business; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adapt.cli import main
+from tests.tiny_models import make_tiny_pair
+
+PHASES = {"draft", "verify_forward", "acceptance", "cache_commit", "decisions", "bookkeeping"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("speed")
+    target, drafter = make_tiny_pair(tmp)
+    out = tmp / "out"
+    code = main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
+                 "--batch-sizes", "1,2", "--max-tokens", "8", "--prompt-len", "24", "--rounds", "1",
+                 "--threads", "1", "--rows", "adapt,adapt-ar,adapt-target,hf,hf-lookup,vllm-ngram",
+                 "--vllm-python", str(tmp / "no-such-python"), "--out", str(out)])
+    assert code == 0
+    return out, json.loads((out / "speed.json").read_text())
+
+
+def test_every_row_and_batch_is_reported(report):
+    _, rep = report
+    assert rep["config"]["batch_sizes"] == [1, 2]
+    assert rep["config"]["num_prompts"] == 2 and rep["config"]["prompt_tokens"] == [24, 24]
+    got = {(e["row"], e["batch"]) for e in rep["results"]}
+    assert got == {(r, b) for r in ("adapt", "adapt-ar", "adapt-target", "hf", "hf-lookup", "vllm-ngram") for b in (1, 2)}
+    for e in rep["results"]:
+        if "skipped" in e:
+            continue
+        assert e["tokens"] == 2 * 8, e  # 2 prompts x 8 tokens, EOS ignored
+        assert e["tokens_per_s"] > 0 and len(e["tokens_per_s_samples"]) == 1
+        assert e["tau"] >= 1.0
+
+
+def test_missing_vllm_and_batched_lookup_are_skipped_with_reasons(report):
+    _, rep = report
+    by = {(e["row"], e["batch"]): e for e in rep["results"]}
+    assert "vLLM not found" in by[("vllm-ngram", 1)]["skipped"]
+    assert "batch 1 only" in by[("hf-lookup", 2)]["skipped"]
+    assert "skipped" not in by[("hf-lookup", 1)]
+    assert "vllm-ngram" in rep["skipped"] and "hf-lookup@2" in rep["skipped"]
+
+
+def test_greedy_rows_agree_with_transformers_in_fp32(report):
+    _, rep = report
+    for e in rep["results"]:
+        if e["row"] in ("adapt", "adapt-ar", "adapt-target", "hf-lookup") and "skipped" not in e:
+            assert e["agree_with_hf"] == 1.0, e
+        if e["row"] in ("adapt-ar", "adapt-target"):
+            assert e["tau"] == 1.0
+
+
+def test_our_step_is_profiled_by_phase(report):
+    _, rep = report
+    assert set(rep["phases"]) == PHASES
+    for e in rep["results"]:
+        if e["row"].startswith("adapt"):
+            assert set(e["phases_ms"]) == PHASES
+            assert e["decode_steps"] > 0 and e["step_ms"] > 0
+            assert sum(e["phases_ms"].values()) == pytest.approx(e["step_ms"], rel=1e-3, abs=1e-3)
+            assert e["phases_ms"]["verify_forward"] > 0
+            assert (e["phases_ms"]["draft"] > 0) == (e["row"] == "adapt")
+            assert (e["phases_ms"]["cache_commit"] > 0) == (e["row"] != "adapt-target")  # drafter context
+
+
+def test_plot_and_table_are_written(report):
+    out, rep = report
+    png = (out / "speed.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    table = (out / "speed.md").read_text()
+    assert "| row | batch | tokens/s |" in table and "transformers generate" in table and "skipped" in table
+    assert set(rep["ratios"]) >= {"adapt/adapt-ar", "adapt/hf", "adapt-ar/hf"}
+
+
+def test_bad_rows_are_named():
+    with pytest.raises(SystemExit, match="--rows"):
+        main(["bench", "speed", "--rows", "adapt,sglang"])

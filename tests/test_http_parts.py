@@ -1,0 +1,76 @@
+"""The serving parts that need no cluster: SLA header parsing, SLA verdicts, Prometheus text."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapt.serving.headers import ApiError, parse_targets
+from adapt.serving.metrics import WorkerCounters, render_metrics
+from adapt.serving.worker_plugin import sla_verdict
+from adapt.targets import RequestTargets, ServerDefaults
+
+
+def test_headers_and_body_fields_build_targets():
+    t, explicit = parse_targets({"x-sla-tpot-ms": "40", "X-SLA-Quality": "tvd=0.05", "X-SLA-Priority": "low"}, None)
+    assert explicit and t.tpot_ms == 40.0 and str(t.quality) == "tvd=0.05" and t.priority == -10
+    t, _ = parse_targets({"X-SLA-Tokens-Per-S": "50"}, {"quality": "lossless", "tpot_ms": 100})
+    assert t.effective_tpot_ms == 20.0 and t.lossless
+    t, _ = parse_targets({"X-SLA-TPOT-Ms": "30"}, {"tpot_ms": 100})  # the header wins
+    assert t.tpot_ms == 30.0
+    t, explicit = parse_targets({}, None, ServerDefaults(tpot_ms=80, quality="tvd=0.1"))
+    assert not explicit and t.tpot_ms == 80.0 and str(t.quality) == "tvd=0.1"
+
+
+@pytest.mark.parametrize("headers,body,param", [
+    ({"X-SLA-TPOT-Ms": "soon"}, None, "X-SLA-TPOT-Ms"),
+    ({"X-SLA-TPOT-Ms": "0"}, None, "X-SLA-TPOT-Ms"),
+    ({"X-SLA-TTFT-Ms": "nan"}, None, "X-SLA-TTFT-Ms"),
+    ({"X-SLA-Quality": "tvd=0"}, None, "X-SLA-Quality"),
+    ({"X-SLA-Priority": "500"}, None, "X-SLA-Priority"),
+    ({"X-SLA-TVD-Budget": "1"}, None, "X-SLA-TVD-Budget"),  # a total budget needs tvd=E
+    ({}, {"tpot_ms": "x"}, "sla.tpot_ms"),
+    ({}, {"colour": "red"}, "sla.colour"),
+    ({}, ["not", "an", "object"], "sla"),
+])
+def test_bad_targets_name_the_field(headers, body, param):
+    with pytest.raises(ApiError) as info:
+        parse_targets(headers, body)
+    assert info.value.param == param and info.value.status == 400 and param in info.value.message
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_sla_verdict():
+    t = RequestTargets(tpot_ms=10, quality="tvd=0.1", ttft_ms=100)
+    timing = {"arrival": 0.0, "first": 0.05, "last": 0.131, "tokens": 10}
+    v = sla_verdict(t, timing, {"tvd_spent": 0.5})
+    assert v["tpot_ms"] == pytest.approx(9.0) and v["ttft_ms"] == pytest.approx(50.0)
+    assert v["met"] and v["latency_met"] and v["quality_met"]
+    v = sla_verdict(t, {**timing, "last": 0.5}, {"tvd_spent": 0.5})
+    assert not v["met"] and v["latency_met"] is False
+    v = sla_verdict(RequestTargets(), timing, {"tvd_spent": 0.01})
+    assert v["latency_met"] is None and v["quality_met"] is False and not v["met"]
+
+
+def test_metrics_render_as_prometheus_text():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = WorkerCounters()
+    c.observe_traces([
+        {"steps": 2, "draft_len": 3, "accepted": 2, "accept_flags": [1, 1, 0], "rule": 1, "tvd_spent": 0.0},
+        {"steps": 0, "draft_len": 0, "accepted": 0, "accept_flags": [], "rule": 0, "tvd_spent": 0.0},
+        {"steps": 1, "draft_len": 2, "accepted": 2, "accept_flags": [1, 1], "rule": 3, "tvd_spent": 0.04},
+    ])
+    c.observe_step(7.5)
+    c.observe_request("length", {"met": True, "latency_met": True, "quality_met": True})
+    text = render_metrics({"w0": {"waiting": 2, "running": 3, "counters": c.snapshot()}}, {"adapt_workers_live": 1})
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    value = lambda name, **labels: next(s.value for s in fams[name].samples  # noqa: E731
+                                        if all(s.labels.get(k) == v for k, v in labels.items()))
+    assert value("adapt_drafts") == 2 and value("adapt_draft_tokens") == 5 and value("adapt_accepted_tokens") == 4
+    assert value("adapt_tau") == pytest.approx(7 / 3)
+    assert value("adapt_accepted_per_position", position="0") == 2
+    assert value("adapt_accepted_per_position", position="2") == 0
+    assert value("adapt_decisions", lever="rule", value="eps_tvd") == 1
+    assert value("adapt_tvd_spent") == pytest.approx(0.04)
+    assert value("adapt_queue_depth") == 2 and value("adapt_sla_attainment") == 1.0
+    assert value("adapt_step_time_ms", le="10.0") == 1

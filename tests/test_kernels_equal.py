@@ -1,0 +1,236 @@
+"""Triton kernels (run by the interpreter on CPU) against the torch references.
+
+Tokens, accept counts and commit masks must be `torch.equal`; `tvd_spent` is compared with a
+tight tolerance because vocabulary sums are accumulated in a different order (documented in
+docs/kernels.md). A slow per-row Python loop checks the per-row assembly independently.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest
+import torch
+
+from kernels import DEFAULT_PARAMS, Rule, select_commit, verify
+from kernels.reference import positions_reference
+from kernels.verify import _layout, use_triton
+
+LOSSY_PARAMS = {Rule.EPS_TVD: (0.1, 0.0), Rule.LAMBDA: (0.6, 0.0), Rule.SGLANG: (0.7, 0.4),
+                Rule.TYPICAL: (0.09, 0.3)}
+
+
+def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
+    """A ragged batch: drafts drawn from q, q partly aligned with p, fresh noise."""
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.tensor(ks, dtype=torch.int64)
+    batch, n = ks.numel(), int(ks.sum())
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ks.cumsum(0)]).to(torch.int32)
+    logits = torch.randn(n + batch, vocab, generator=g) * 3
+    p = (logits / temperature).softmax(-1)
+    row = torch.repeat_interleave(torch.arange(batch), ks + 1)
+    for r in greedy_rows:                                               # T = 0 rows: one-hot p
+        rows = (row == r).nonzero().squeeze(1)
+        p[rows] = torch.nn.functional.one_hot(p[rows].argmax(-1), vocab).float()
+    is_draft = torch.ones(n + batch, dtype=torch.bool)
+    is_draft[(cu[1:] + torch.arange(batch)).long()] = False
+    q = (close * logits[is_draft] + (1 - close) * torch.randn(n, vocab, generator=g) * 3).softmax(-1)
+    x = torch.multinomial(q, 1, generator=g).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
+    u = torch.rand(n, generator=g)
+    e = torch.empty(n + batch, vocab).exponential_(generator=g)
+    return x, cu, p.contiguous(), q.contiguous(), u, e
+
+
+def rule_tensors(rules):
+    rule = torch.tensor([int(r) for r in rules], dtype=torch.int32)
+    prm = torch.tensor([LOSSY_PARAMS.get(r, DEFAULT_PARAMS[r])[0] for r in rules])
+    prm2 = torch.tensor([LOSSY_PARAMS.get(r, DEFAULT_PARAMS[r])[1] for r in rules])
+    return rule, prm, prm2
+
+
+def both(x, cu, p, q, rule, prm, prm2, u, e, max_k):
+    ref = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, backend="torch")
+    tri = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, backend="triton")
+    assert torch.equal(ref.tokens, tri.tokens)
+    assert torch.equal(ref.num_accepted, tri.num_accepted)
+    torch.testing.assert_close(ref.tvd_spent, tri.tvd_spent, atol=2e-6, rtol=1e-5)
+    return ref
+
+
+def loop_assemble(x, cu, accept, token, tvd, max_k):
+    """Independent per-row assembly with Python loops (test only)."""
+    tokens, counts, spent = [], [], []
+    for r in range(cu.numel() - 1):
+        lo, hi = int(cu[r]), int(cu[r + 1])
+        a, out, s = 0, [], 0.0
+        while a < hi - lo and bool(accept[lo + r + a]):
+            out.append(int(x[lo + a]))
+            s += float(tvd[lo + r + a])
+            a += 1
+        if a < hi - lo:
+            s += float(tvd[lo + r + a])
+        out.append(int(token[lo + r + a]))
+        tokens.append(out + [-1] * (max_k + 1 - len(out)))
+        counts.append(a)
+        spent.append(s)
+    return torch.tensor(tokens), torch.tensor(counts, dtype=torch.int32), torch.tensor(spent)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_mixed_rules_ragged_k16(with_q):
+    ks = [0, 16, 3, 16, 0, 7, 1, 16, 5, 12, 0, 9, 16, 2]
+    rules = [Rule(i % 7) for i in range(len(ks))]
+    if not with_q:
+        rules = [Rule.MATCH if r in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG) else r
+                 for r in rules]
+    x, cu, p, q, u, e = make_batch(ks, vocab=1000, seed=1, greedy_rows=(7,))
+    rule, prm, prm2 = rule_tensors(rules)
+    out = both(x, cu, p, q if with_q else None, rule, prm, prm2, u, e, 16)
+    acc, tok, tvd = positions_reference(*_layout(x, cu, rule, prm, prm2), u, p, q if with_q else None, e)
+    want = loop_assemble(x, cu, acc, tok, tvd, 16)
+    assert torch.equal(out.tokens, want[0]) and torch.equal(out.num_accepted, want[1])
+    torch.testing.assert_close(out.tvd_spent, want[2].float(), atol=1e-6, rtol=1e-5)
+    exact = torch.tensor([r in (Rule.GREEDY, Rule.REJECTION, Rule.MATCH) for r in rules])
+    assert (out.tvd_spent[exact] == 0).all()
+    assert (out.tokens >= -1).all() and (out.num_accepted <= torch.tensor(ks)).all()
+
+
+@pytest.mark.parametrize("rule_id", list(Rule))
+def test_each_rule_multi_block(rule_id):
+    """Small vocabulary blocks (256) on a vocabulary that is not a multiple of the block."""
+    from kernels.triton_verify import positions_triton
+    ks = [4, 0, 16, 1, 9]
+    x, cu, p, q, u, e = make_batch(ks, vocab=1000, seed=10 + int(rule_id), close=0.8)
+    rule, prm, prm2 = rule_tensors([rule_id] * len(ks))
+    lay = _layout(x, cu, rule, prm, prm2)
+    ref = positions_reference(*lay, u, p, q, e)
+    tri = positions_triton(*lay, u, p, q, e, block=256)
+    assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
+    torch.testing.assert_close(ref[2], tri[2], atol=2e-6, rtol=1e-5)
+
+
+def test_ties_zero_noise_and_empty_residual():
+    """Greedy ties -> lowest index across blocks; E = 0 never yields NaN; p == q falls back to p."""
+    from kernels.triton_verify import positions_triton
+    ks = [3, 2, 2]
+    x, cu, p, q, u, e = make_batch(ks, vocab=700, seed=3)
+    p[0] = 0.0
+    p[0, [650, 100, 400]] = 1 / 3                                       # tie in three blocks
+    e[1, :] = 0.0                                                       # zero noise everywhere
+    p[1, :350] = 0.0
+    p[1] /= p[1].sum()
+    p[4] = q[3]                                                         # residual without mass
+    p[5] = q[4]
+    rule, prm, prm2 = rule_tensors([Rule.GREEDY, Rule.REJECTION, Rule.EPS_TVD])
+    lay = _layout(x, cu, rule, prm, prm2)
+    ref = positions_reference(*lay, u, p, q, e)
+    tri = positions_triton(*lay, u, p, q, e, block=128)
+    assert ref[1][0] == 100 and p[1, ref[1][1]] > 0
+    assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
+
+
+def test_vocab_152k_small_batch():
+    ks = [16, 0, 3]
+    x, cu, p, q, u, e = make_batch(ks, vocab=151_936, seed=5, temperature=0.7, close=0.9)
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.EPS_TVD, Rule.EPS_TVD])
+    out = both(x, cu, p, q, rule, prm, prm2, u, e, 16)
+    assert out.num_accepted[1] == 0 and out.tokens[1, 1:].eq(-1).all()
+
+
+def test_greedy_rows_are_argmax_and_ignore_noise():
+    ks = [5, 16, 0]
+    x, cu, p, q, u, e = make_batch(ks, vocab=300, seed=7)
+    rule, prm, prm2 = rule_tensors([Rule.GREEDY] * 3)
+    x[: ks[0]] = p[: ks[0]].argmax(-1)                                   # row 0: all drafts right
+    a = both(x, cu, p, None, rule, prm, prm2, u, e, 16)
+    b = verify(x, cu, p, None, rule, prm, prm2, u, torch.rand_like(e) + 0.5, 16)
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.num_accepted[0] == 5 and a.tokens[0, 5] == p[5].argmax()
+    assert a.tokens[2, 0] == p[-1].argmax()
+
+
+def test_empty_batch_and_no_drafts():
+    x, cu, p, q, u, e = make_batch([0, 0], vocab=50, seed=2)
+    rule, prm, prm2 = rule_tensors([Rule.MATCH, Rule.GREEDY])
+    out = both(x, cu, p, None, rule, prm, prm2, u, e, 0)
+    assert out.tokens.shape == (2, 1) and (out.num_accepted == 0).all()
+
+
+def test_select_commit_equal():
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 5, 16):
+        conf = torch.rand(40, k, generator=g)
+        conf[:, ::3] = 0.5                                              # ties
+        masked = torch.rand(40, k, generator=g) > 0.3
+        num = torch.randint(0, k + 2, (40,), generator=g).to(torch.int32)
+        l2r = torch.rand(40, generator=g) > 0.5
+        ref = select_commit(conf, masked, num, l2r, backend="torch")
+        tri = select_commit(conf, masked, num, l2r, backend="triton")
+        assert torch.equal(ref, tri)
+        assert (ref <= masked).all()
+        assert torch.equal(ref.sum(1), torch.minimum(num.long(), masked.sum(1)))
+        for b in torch.nonzero(l2r).squeeze(1).tolist():               # leftmost masked ones
+            chosen = masked[b].nonzero().squeeze(1)[: int(num[b])]
+            assert set(chosen.tolist()) == set(ref[b].nonzero().squeeze(1).tolist())
+
+
+def test_dispatch_env(monkeypatch):
+    monkeypatch.setenv("ADAPT_FORCE_TRITON", "1")
+    assert use_triton(torch.device("cpu"))
+    monkeypatch.setenv("ADAPT_FORCE_TRITON", "0")
+    assert not use_triton(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("field,mutate", [
+    ("cu_num_draft", lambda a: a.update(cu=a["cu"].flip(0))),
+    ("max_k", lambda a: a.update(max_k=2)),
+    ("rule", lambda a: a.update(rule=torch.tensor([9, 0], dtype=torch.int32))),
+    ("draft_probs", lambda a: a.update(q=None)),
+    ("param", lambda a: a.update(prm=torch.tensor([1.5, 0.1]))),
+    ("target_probs", lambda a: a.update(p=a["p"][:-1])),
+    ("draft_tokens", lambda a: a.update(x=a["x"] + 10_000)),
+    ("exp_noise", lambda a: a.update(e=a["e"].double())),
+])
+def test_bad_input_names_field(field, mutate):
+    x, cu, p, q, u, e = make_batch([3, 4], vocab=40, seed=4)
+    args = dict(x=x, cu=cu, p=p, q=q, u=u, e=e, max_k=4,
+                rule=torch.tensor([Rule.EPS_TVD, Rule.REJECTION], dtype=torch.int32),
+                prm=torch.tensor([0.1, 0.0]), prm2=torch.zeros(2))
+    mutate(args)
+    with pytest.raises(ValueError, match=field):
+        verify(args["x"], args["cu"], args["p"], args["q"], args["rule"], args["prm"], args["prm2"],
+               args["u"], args["e"], args["max_k"])
+
+
+def test_kernels_compile_for_cuda():
+    """The kernels lower to a sm_90 cubin (no GPU needed), with IEEE division and no fast div."""
+    import subprocess
+    import sys
+
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.triton_denoise import _select_commit_kernel
+from kernels.triton_verify import _verify_positions_kernel
+ptr = {"tok_ptr": "*i64", "draft_idx_ptr": "*i64", "rule_ptr": "*i32", "param_ptr": "*fp32",
+       "param2_ptr": "*fp32", "u_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32",
+       "e_ptr": "*fp32", "accept_ptr": "*i8", "token_ptr": "*i64", "tvd_ptr": "*fp32",
+       "V": "i32", "HAS_Q": "constexpr", "BLOCK": "constexpr"}
+target = GPUTarget("cuda", 90, 32)
+for has_q in (True, False):
+    k = triton.compile(ASTSource(_verify_positions_kernel, ptr, constexprs={"HAS_Q": has_q, "BLOCK": 2048}),
+                       target=target, options={"num_warps": 8, "enable_fp_fusion": False})
+    assert "div.rn.f32" in k.asm["ptx"] and "div.full" not in k.asm["ptx"]
+sig = {"conf_ptr": "*fp32", "masked_ptr": "*i8", "num_ptr": "*i32", "l2r_ptr": "*i8",
+       "out_ptr": "*i8", "K": "i32", "BLOCK_K": "constexpr"}
+triton.compile(ASTSource(_select_commit_kernel, sig, constexprs={"BLOCK_K": 16}), target=target)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

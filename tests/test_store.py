@@ -1,0 +1,100 @@
+"""The state store interface, in process and on a real redis-server: same behaviour from both."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from adapt.serving.store import InProcessStore, open_store
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request):
+    if request.param == "memory":
+        s = InProcessStore(trace_maxlen=50)
+    else:
+        server = request.getfixturevalue("redis_server")
+        s = open_store(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", trace_maxlen=50)
+    yield s
+    s.close()
+
+
+def test_load_expires_after_ttl(store):
+    store.put_load("w1", {"queue": 3, "running": 2}, ttl_s=0.3)
+    store.put_load("w2", {"queue": 0, "running": 1}, ttl_s=5.0)
+    assert store.loads() == {"w1": {"queue": 3, "running": 2}, "w2": {"queue": 0, "running": 1}}
+    time.sleep(0.45)
+    assert set(store.loads()) == {"w2"}
+    store.put_load("w2", {"queue": 4, "running": 1}, ttl_s=5.0)  # refresh overwrites
+    assert store.loads()["w2"]["queue"] == 4
+    store.remove_worker("w2")
+    assert store.loads() == {}
+
+
+def test_policy_versions_and_notification(store):
+    assert store.policy_version() == 0 and store.get_policy() is None
+    seen: list[int] = []
+    got = threading.Event()
+
+    def on_version(v: int) -> None:
+        seen.append(v)
+        if v >= 2:
+            got.set()
+
+    sub = store.subscribe_policy(on_version)
+    time.sleep(0.2)  # let the subscriber connect
+    v1 = store.put_policy({"name": "a", "settings": {"x": 1}})
+    v2 = store.put_policy({"name": "b", "settings": {"x": 2}})
+    assert (v1, v2) == (1, 2)
+    assert store.policy_version() == 2
+    assert store.get_policy() == (2, {"name": "b", "settings": {"x": 2}})
+    assert store.get_policy(1) == (1, {"name": "a", "settings": {"x": 1}})
+    assert got.wait(5.0), f"no notification for version 2, saw {seen}"
+    sub.close()
+    with pytest.raises(TypeError, match="policy"):
+        store.put_policy(["not", "a", "dict"])  # type: ignore[arg-type]
+
+
+def test_trace_stream_is_capped_and_ordered(store):
+    store.add_traces([{"v": 1, "request_id": "r", "step": i} for i in range(120)])
+    assert store.trace_len() == 50
+    records = store.read_traces()
+    assert [r["step"] for r in records] == list(range(70, 120))
+    assert [r["step"] for r in store.read_traces(3)] == [117, 118, 119]
+    assert store.read_traces(0) == []
+
+
+def test_open_store_rejects_bad_urls():
+    with pytest.raises(ValueError, match="redis_url"):
+        open_store("http://localhost:6379")
+    assert isinstance(open_store(None), InProcessStore)
+
+
+def test_redis_store_survives_a_restart(redis_server):
+    from adapt.serving.redis_store import StoreUnavailable
+
+    store = open_store(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+    seen: list[int] = []
+    sub = store.subscribe_policy(seen.append)
+    time.sleep(0.2)
+    store.put_policy({"n": 1})
+    redis_server.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            store.put_load("w", {"queue": 0}, ttl_s=1.0)
+        assert store.ping() is False
+    finally:
+        redis_server.start()
+    # a fresh server (no persistence) starts empty; the client reconnects by itself
+    store.put_load("w", {"queue": 1}, ttl_s=5.0)
+    assert store.loads() == {"w": {"queue": 1}}
+    v = store.put_policy({"n": 2})
+    deadline = time.monotonic() + 5.0
+    while v not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert v in seen, f"subscriber did not resubscribe after the restart, saw {seen}"
+    sub.close()
+    store.close()

@@ -1,0 +1,49 @@
+"""The lean target forward matches plain transformers (logits and hidden states), per family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.tiny_models import make_tiny_target
+from workers.request import ModelLoadError
+from workers.target_model import load_target
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers_over_ragged_cache(tmp_path, family):
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_target(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(2, 128, (n,), generator=gen) for n in (12, 8, 16)]
+    cache = model.new_cache(max_batch=4, max_len=64)
+
+    # prefill ragged prompts (right-padded) into slots 1..3, then two ragged chunks of new tokens
+    prompt_lens = [5, 2, 7]
+    P = max(prompt_lens)
+    ids = torch.stack([torch.cat([s[:n], torch.ones(P - n, dtype=torch.long)]) for s, n in zip(seqs, prompt_lens)])
+    logits, hidden = model(ids, torch.zeros(3, dtype=torch.long), cache, row0=1, width=P, capture=(0, 1))
+    with torch.no_grad():
+        for r, (s, n) in enumerate(zip(seqs, prompt_lens)):
+            ref = hf(s[None, :n], output_hidden_states=True)
+            torch.testing.assert_close(logits[r, :n], ref.logits[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[r, :n], torch.cat([ref.hidden_states[1][0], ref.hidden_states[2][0]], -1),
+                                       atol=1e-4, rtol=1e-4)
+    lengths = list(prompt_lens)
+    for chunk in ([2, 1, 4], [2, 2, 2]):
+        T = max(chunk)
+        new = torch.stack([torch.cat([s[L:L + c], torch.ones(T - c, dtype=torch.long)]) for s, L, c in zip(seqs, lengths, chunk)])
+        start = torch.tensor(lengths)
+        logits, _ = model(new, start, cache, row0=1, width=max(lengths) + T)
+        with torch.no_grad():
+            for r, (s, L, c) in enumerate(zip(seqs, lengths, chunk)):
+                ref = hf(s[None, : L + c]).logits[0, L:]
+                torch.testing.assert_close(logits[r, :c], ref, atol=1e-4, rtol=1e-4)
+        lengths = [L + c for L, c in zip(lengths, chunk)]
+
+
+def test_unknown_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_target(tmp_path / "nope")

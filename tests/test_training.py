@@ -1,0 +1,124 @@
+"""Tiny versions of both trainings (target, then drafter via `adapt train-drafter`) and the
+evaluation harness's exactness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapt.cli import main as adapt_main
+from workers.drafter import load_drafter
+from workers.training import target as target_training
+from workers.training.drafter import load_target, sample_anchors, sample_known
+from workers.training.regenerate import continue_greedy_or_sampled
+from workers.training.spec_eval import speculative_decode
+
+TINY_DRAFTER = ["--max-files", "5", "--regenerate", "--num-sequences", "8", "--prompt-len", "8",
+                "--seq-len", "48", "--batch", "2", "--anchors", "4", "--block-size", "8", "--threads", "1",
+                "--no-progress", "--fp32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    out = tmp_path_factory.mktemp("target")
+    target_training.main(["--out", str(out), "--steps", "3", "--max-files", "5", "--hidden", "64", "--layers", "2",
+                          "--heads", "2", "--intermediate", "128", "--vocab", "512", "--context", "64",
+                          "--batch", "2", "--threads", "1"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter")
+    rc = adapt_main(["train-drafter", "--target", str(tiny_target), "--out", str(out), "--steps", "4",
+                     "--save-every", "2", "--eval-prompts", "2", "--eval-prompt-len", "16", "--eval-tokens", "12",
+                     *TINY_DRAFTER])
+    assert rc == 0
+    return out
+
+
+def test_target_training_writes_a_transformers_directory(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 512
+    assert json.loads((tiny_target / "train_metrics.json").read_text())["heldout"]["perplexity"] > 1
+
+
+def test_train_drafter_writes_a_paired_drafter_and_its_evaluation(tiny_target, tiny_drafter):
+    target, _ = load_target(tiny_target)
+    drafter = load_drafter(tiny_drafter, target.config).bind(target.get_input_embeddings(), target.get_output_embeddings())
+    assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == [1]
+    report = json.loads((tiny_drafter / "eval.json").read_text())
+    runs = {(r["temperature"], r["steps"], r["commit_order"]) for r in report["eval"]}
+    assert {(0.0, 1, "confidence"), (0.0, 4, "left-to-right"), (1.0, 2, "left-to-right")} <= runs
+    for r in report["eval"]:
+        assert 1.0 <= r["tau"] <= 9.0 and len(r["accept_per_position"]) == 8
+    lines = (tiny_drafter / "train_log.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 4
+
+
+def test_resume_continues_exactly(tiny_target, tiny_drafter, tmp_path):
+    """Stopping after 2 of 4 steps, then --resume, gives the weights of 4 uninterrupted steps."""
+    common = ["train-drafter", "--target", str(tiny_target), "--out", str(tmp_path), "--save-every", "2",
+              "--eval-prompts", "0", *TINY_DRAFTER]
+    assert adapt_main([*common, "--steps", "4", "--stop-after", "2"]) == 0
+    assert not (tmp_path / "model.safetensors").exists()
+    assert adapt_main([*common, "--steps", "4", "--resume"]) == 0
+    straight = tmp_path / "straight"
+    assert adapt_main([*common[:4], str(straight), *common[5:], "--steps", "4"]) == 0
+    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(straight / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_options_name_the_field(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="--target"):
+        adapt_main(["train-drafter", "--target", str(tmp_path), "--out", str(tmp_path / "d")])
+    with pytest.raises(ValueError, match="--anchors"):
+        adapt_main(["train-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--anchors", "0"])
+    with pytest.raises(ValueError, match="block_size"):
+        adapt_main(["train-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), *TINY_DRAFTER[:-4],
+                    "--block-size", "17", "--steps", "1", "--eval-prompts", "0"])
+
+
+def test_greedy_speculative_decoding_reproduces_target_greedy(tiny_target, tiny_drafter):
+    target, _ = load_target(tiny_target)
+    drafter = load_drafter(tiny_drafter, target.config).bind(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = torch.randint(2, 512, (3, 10), generator=torch.Generator().manual_seed(0))
+    ref = continue_greedy_or_sampled(target, prompts, 20, torch.zeros(3), torch.Generator(), autocast=False)[:, 10:]
+    for steps, l2r in [(1, False), (2, False), (3, True)]:
+        outs, res = speculative_decode(target, drafter, prompts.tolist(), 20, steps=steps, left_to_right=l2r, autocast=False)
+        assert torch.equal(torch.tensor(outs), ref)
+        assert res.passes >= 1 and res.tokens >= 20 * 3 - 3
+
+
+def test_anchor_and_mask_sampling_shapes():
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(3, 40, 5, 7, 8, g)
+    assert a.shape == (3, 5) and a.min() >= 7 and a.max() <= 40 - 1 - 8
+    assert (a.diff(dim=-1) > 0).all()
+    known = sample_known(2, 500, 8, g)
+    none = ~known.any(-1)
+    assert 0.35 < none.float().mean() < 0.75  # about half the blocks fully masked
+
+
+def test_manifest_hashes_shipped_files_and_detects_changes(tiny_target, tiny_drafter, tmp_path):
+    import shutil
+
+    from workers.training.manifest import check_manifest, write_manifest
+
+    root = tmp_path / "demo"
+    shutil.copytree(tiny_target, root / "target")
+    shutil.copytree(tiny_drafter, root / "drafter")
+    build = root / "build.sh"
+    build.write_text('PY=python\n$PY -m workers.training.target --out x --seed 0\n'
+                     '$PY -m adapt.cli train-drafter --target x \\\n  --out y --seed 3\n')
+    m = write_manifest(root, build)
+    assert "drafter/model.safetensors" in m["files"] and not any("checkpoint" in f for f in m["files"])
+    assert m["seeds"] == {"target": 0, "drafter": 3} and len(m["commands"]) == 2
+    assert m["drafter_eval"] and check_manifest(root) == []
+    (root / "drafter" / "config.json").write_text("{}")
+    assert check_manifest(root) == ["sha256 differs: drafter/config.json"]

@@ -1,0 +1,118 @@
+"""The decision interface between the engine and whoever chooses the knobs (contracts §5).
+
+Every engine step asks a `DecisionMaker` twice per row:
+1. `choose_steps(rows)`: diffusion steps `s` (0 = do not draft, decode autoregressively);
+2. `choose_verify(rows, draft)`: after drafting, the draft length `k` to verify and the
+   acceptance rule with its parameters, from features of the draft distributions only
+   (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks);
+and reports the outcome with `observe`. The engine never imports policies or the controller;
+it is handed an object with these three methods. `StaticDecisions` (the default) returns each
+request's own `DecodeKnobs`.
+
+Exact rule per row (what `lossless` rows always get, see docs/engine.md):
+- temperature 0: GREEDY;
+- sampled, and the recorded draft probabilities are true conditionals (s = 1, or left-to-right
+  commits): REJECTION;
+- otherwise (most-confident-first commits with s > 1): MATCH.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.rules import Rule
+from workers.request import DecodeKnobs
+
+
+@dataclass(frozen=True)
+class RowState:
+    """The running rows at the start of a step (host-side CPU tensors `[B]`, lists of length B).
+
+    position: committed sequence length L (prompt + generated - 1: the anchor is not cached yet);
+    generated: tokens generated so far; recent_accept: EMA of accepted / verified drafts;
+    tvd_spent: total variation spent so far; remaining: tokens the row may still emit;
+    block_size: the drafter's K (0 without a drafter)."""
+
+    request_ids: list[str]
+    knobs: list[DecodeKnobs]
+    targets: list[object]
+    position: torch.Tensor       # [B] int64
+    generated: torch.Tensor      # [B] int64
+    temperature: torch.Tensor    # [B] float32
+    recent_accept: torch.Tensor  # [B] float32
+    tvd_spent: torch.Tensor      # [B] float32
+    remaining: torch.Tensor      # [B] int64
+    batch_size: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class DraftFeatures:
+    """Features of this step's drafts, on the engine's device. Rows that did not draft have
+    steps 0 and zero features. confidence = max prob of q, entropy of q (nats), margin = top-1
+    minus top-2 prob of q, per drafted position; exact_rule = the engine's exact rule per row."""
+
+    steps: torch.Tensor        # [B] int64
+    confidence: torch.Tensor   # [B, K] float32
+    entropy: torch.Tensor      # [B, K] float32
+    margin: torch.Tensor       # [B, K] float32
+    exact_rule: torch.Tensor   # [B] int32
+    conditional: torch.Tensor  # [B] bool: q are true conditionals (REJECTION is exact)
+
+
+@dataclass(frozen=True)
+class VerifyDecision:
+    draft_len: torch.Tensor  # [B] int64
+    rule: torch.Tensor       # [B] int32
+    param: torch.Tensor      # [B] float32
+    param2: torch.Tensor     # [B] float32
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step did: accepted drafts, verified drafts (k), TVD added, per row; wall time of the
+    step and the number of token positions in the target forward."""
+
+    accepted: torch.Tensor  # [B] int64
+    verified: torch.Tensor  # [B] int64
+    tvd: torch.Tensor       # [B] float32
+    step_time: float
+    num_tokens: int
+
+
+class DecisionMaker(Protocol):
+    def choose_steps(self, rows: RowState) -> torch.Tensor: ...  # [B] int64
+    def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
+    def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
+
+
+def exact_rules(temperature: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
+    """[B] int32: GREEDY at T = 0, REJECTION where q are true conditionals, MATCH otherwise."""
+    sampled_rule = torch.where(conditional, int(Rule.REJECTION), int(Rule.MATCH))
+    return torch.where(temperature <= 0, int(Rule.GREEDY), sampled_rule).to(torch.int32)
+
+
+class StaticDecisions:
+    """Each request's own knobs, every step: s = knobs.steps (0 when draft_len = 0),
+    k = knobs.draft_len; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the
+    draft probabilities are true conditionals (its TVD report needs them), the exact rule
+    otherwise."""
+
+    def choose_steps(self, rows: RowState) -> torch.Tensor:
+        return torch.tensor([kn.steps if kn.draft_len > 0 else 0 for kn in rows.knobs], dtype=torch.int64)
+
+    def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision:
+        dev = draft.steps.device
+        k = torch.tensor([kn.draft_len for kn in rows.knobs], dtype=torch.int64, device=dev)
+        eps = torch.tensor([kn.tvd_budget for kn in rows.knobs], dtype=torch.float32, device=dev)
+        temp = rows.temperature.to(dev)
+        lenient = (eps > 0) & (temp > 0) & draft.conditional
+        rule = torch.where(lenient, int(Rule.EPS_TVD), draft.exact_rule).to(torch.int32)
+        return VerifyDecision(draft_len=torch.where(draft.steps > 0, k, 0), rule=rule,
+                              param=torch.where(lenient, eps, 0.0), param2=torch.zeros_like(eps))
+
+    def observe(self, rows: RowState, outcome: StepOutcome) -> None:
+        return None

@@ -1,0 +1,393 @@
+"""Block-diffusion drafter in the DFlash style: a few transformer layers that borrow the target.
+
+Words used here:
+- **block**: the drafter's input `[anchor, MASK × K]` at positions `L .. L + K`, where the
+  **anchor** is the last known token (its KV is not yet in the target cache) and `L` is the
+  committed length. Block index `j` (1..K) predicts the token at position `L + j`.
+- **context**: hidden states of several target decoder layers (`target_layer_ids`, 0 = output of
+  the first layer) at the committed positions `< L`, concatenated `[*, n * H]`, projected by `fc`
+  and RMS-normed. Every drafter layer turns them into extra keys/values (**KV injection**); the
+  block's queries attend to those and, non-causally, to the whole block.
+- **denoising step**: one drafter pass over the block. With `s` steps, each pass re-predicts the
+  still-masked positions and commits some of them (most confident first, or left to right); the
+  committed tokens enter the next pass as ordinary token embeddings.
+
+The drafter has no embedding or LM head of its own: `bind(embed_tokens, lm_head)` lends it the
+target's (not registered as parameters, never saved). On disk: `config.json`
+(`"model_type": "adapt-block-diffusion"`) and `model.safetensors`. `load_drafter` checks that the
+drafter was trained for the target it is paired with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from workers.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+MODEL_TYPE = "adapt-block-diffusion"
+MAX_BLOCK_SIZE = 16
+# Target config fields that define its architecture; hashed into the pairing fingerprint.
+FINGERPRINT_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+class DrafterPairingError(ValueError):
+    """The drafter was not trained for this target (sizes, layers or fingerprint differ)."""
+
+
+def _field(config, name, default=None):
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def target_fingerprint(target_config) -> str:
+    """Short sha256 of the target's architecture fields (HF config object or dict)."""
+    fields = {k: _field(target_config, k) for k in FINGERPRINT_FIELDS}
+    if fields["num_key_value_heads"] is None:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def target_rope_theta(target_config) -> float:
+    params = _field(target_config, "rope_parameters") or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or _field(target_config, "rope_theta", 10000.0))
+
+
+def default_layer_ids(num_target_layers: int, count: int | None = None) -> list[int]:
+    """`count` target layers spread evenly across depth, always including the last one."""
+    count = count or min(5, max(1, num_target_layers // 2))
+    return sorted({round((i + 1) * num_target_layers / count) - 1 for i in range(count)})
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int                      # = the target's hidden size (shared embedding / LM head)
+    vocab_size: int                       # = the target's vocabulary
+    target_layer_ids: list[int]           # target decoder layers feeding the context
+    target_hidden_size: int               # hidden size of those layers' outputs
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 768
+    block_size: int = MAX_BLOCK_SIZE      # K, drafted tokens per block (≤ 16)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    target_fingerprint: str = ""          # see `target_fingerprint`
+    embed_signature: list[float] = field(default_factory=list)  # norms of embedding rows 0..7
+    model_type: str = MODEL_TYPE
+
+    def __post_init__(self):
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.model_type != MODEL_TYPE:
+            raise ValueError(f"model_type must be {MODEL_TYPE!r}, got {self.model_type!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown drafter config fields: {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = 2, block_size: int = MAX_BLOCK_SIZE,
+                   target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                   num_heads: int | None = None) -> "DrafterConfig":
+        """A drafter config sized after the target (HF config object or dict)."""
+        hidden = _field(target_config, "hidden_size")
+        n_layers = _field(target_config, "num_hidden_layers")
+        heads = num_heads or _field(target_config, "num_attention_heads")
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_layer_ids(n_layers)
+        bad = [i for i in ids if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for a target with {n_layers} layers")
+        return cls(
+            hidden_size=hidden, vocab_size=_field(target_config, "vocab_size"), target_layer_ids=ids,
+            target_hidden_size=hidden, num_layers=num_layers, num_heads=heads, num_kv_heads=heads,
+            head_dim=hidden // heads,
+            intermediate_size=intermediate_size or _field(target_config, "intermediate_size") or 3 * hidden,
+            block_size=block_size, rope_theta=target_rope_theta(target_config),
+            rms_norm_eps=float(_field(target_config, "rms_norm_eps", 1e-6)),
+            target_fingerprint=target_fingerprint(target_config),
+        )
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm transformer layer whose attention also sees the injected context keys/values."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.unflatten(-1, (n, self.cfg.head_dim)).transpose(1, 2)  # [B, n, T, d]
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] (already normed) -> k, v each [B, kv_heads, T, d], RoPE on k."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.cfg.num_kv_heads))
+        v = self._heads(self.v_proj(x), self.cfg.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x [B, Q, H]; ctx_k/v [B, kv, C, d]; mask [B, Q, C + Q] bool (True = attend)."""
+        h = self.input_norm(x)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.cfg.num_heads)), cos, sin)  # [B, nh, Q, d]
+        k, v = self.project_kv(h, cos, sin)
+        k = torch.cat((ctx_k.to(k.dtype), k), dim=2)  # [B, kv, C + Q, d]
+        v = torch.cat((ctx_v.to(v.dtype), v), dim=2)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)
+        x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
+        return x + self.mlp(self.post_norm(x))
+
+
+class BlockDiffusionDrafter(nn.Module):
+    """See the module docstring. Call `bind(embed_tokens, lm_head)` before `embed_block`/`logits`."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        n_ctx = len(config.target_layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(n_ctx, config.hidden_size, bias=False)
+        self.ctx_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        self.__dict__["embed_tokens"] = None  # borrowed from the target, not parameters
+        self.__dict__["lm_head"] = None
+
+    # -- the target's parts -------------------------------------------------------------
+    def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "BlockDiffusionDrafter":
+        """Borrow the target's input embedding and LM head (kept out of this module's state)."""
+        weight = embed_tokens.weight
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise DrafterPairingError(
+                f"embed_tokens has shape {tuple(weight.shape)}, drafter expects "
+                f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})")
+        expected = self.config.embed_signature
+        if expected:
+            got = embedding_signature(weight)
+            if not torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=0.02, atol=1e-3):
+                raise DrafterPairingError(
+                    "embed_tokens differ from those the drafter was trained with (embed_signature "
+                    f"{[round(x, 4) for x in got]} != {[round(x, 4) for x in expected]}): wrong target weights?")
+        self.__dict__["embed_tokens"] = embed_tokens
+        self.__dict__["lm_head"] = lm_head
+        return self
+
+    def _require_bound(self):
+        if self.embed_tokens is None or self.lm_head is None:
+            raise RuntimeError("drafter is not bound: call drafter.bind(target_embed_tokens, target_lm_head)")
+
+    def embed_block(self, tokens: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """tokens [B, Q] int64, masked [B, Q] bool -> [B, Q, H]: token embeddings, MASK where masked."""
+        self._require_bound()
+        emb = self.embed_tokens(tokens.clamp(min=0)).to(self.mask_embedding.dtype)  # [B, Q, H]
+        return torch.where(masked[..., None], self.mask_embedding, emb)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, Q, H] -> [B, Q, V] through the final norm and the target's LM head."""
+        self._require_bound()
+        h = self.norm(hidden)
+        return self.lm_head(h.to(self.lm_head.weight.dtype))
+
+    # -- the network ------------------------------------------------------------------
+    def context_kv(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """hidden [B, T, n * H_t] (target layers concatenated), positions [B, T] ->
+        per drafter layer (k, v), each [B, kv_heads, T, head_dim], RoPE applied."""
+        ctx = self.ctx_norm(self.fc(hidden.to(self.fc.weight.dtype)))  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        return [layer.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                      ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor,
+                      block_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """block_embeds [B, Q, H], positions [B, Q], ctx_kv per layer [B, kv, C, d],
+        ctx_mask [B, Q, C] bool (True = may attend). `block_mask` [B, Q, Q] bool restricts
+        attention inside the queries (training packs many blocks in one row); default: every
+        query sees the whole block (non-causal). Returns hidden [B, Q, H]."""
+        B, Q, _ = block_embeds.shape
+        if block_mask is None:
+            block_mask = torch.ones(B, Q, Q, dtype=torch.bool, device=block_embeds.device)
+        mask = torch.cat((ctx_mask, block_mask), dim=-1)  # [B, Q, C + Q]
+        x = block_embeds.to(self.mask_embedding.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return x
+
+    # -- drafting -----------------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, ctx_kv, ctx_mask_ctx: torch.Tensor,
+              steps: int | torch.Tensor = 1, left_to_right: bool | torch.Tensor = False,
+              temperature: float | torch.Tensor = 0.0, exp_noise: torch.Tensor | None = None,
+              block_size: int | None = None):
+        """Denoise one block per row in `steps` passes (a reference loop, tensor ops only).
+
+        anchor [B] int64 (token at position `start`), start [B] int64 (= L), ctx_kv per layer
+        [B, kv, C, d], ctx_mask_ctx [B, C] bool (context positions < L that exist).
+        `steps` (int or [B] int64): denoising passes per row; the loop runs max(steps) passes and
+        row r commits ceil(K(i+1)/s_r) − ceil(Ki/s_r) positions in its pass i < s_r (rows with
+        s_r = 0 commit nothing and return q = 0). `left_to_right` (bool or [B] bool): commit
+        order; `temperature` (float or [B]; 0 = argmax).
+        exp_noise [max(steps), B, K, V] Exp(1) noise for sampling (drawn here if None).
+        Returns tokens [B, K] int64 and q [B, K, V] float32, the distribution each token was
+        drawn from (softmax(logits / T); plain softmax for T = 0 rows).
+        """
+        K = block_size or self.config.block_size
+        B = anchor.shape[0]
+        dev = anchor.device
+        tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
+        tokens[:, 0] = anchor
+        masked = torch.ones(B, K + 1, dtype=torch.bool, device=dev)
+        masked[:, 0] = False
+        positions = start[:, None] + torch.arange(K + 1, device=dev)  # [B, K + 1]
+        ctx_mask = ctx_mask_ctx[:, None, :].expand(B, K + 1, -1)       # [B, K + 1, C]
+        temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(B)
+        l2r = torch.as_tensor(left_to_right, dtype=torch.bool, device=dev).expand(B)
+        q_out = torch.zeros(B, K, self.config.vocab_size, device=dev)
+        order = torch.arange(K, device=dev, dtype=torch.float32)
+        if isinstance(steps, int):
+            row_steps, passes = torch.full((B,), steps, dtype=torch.long, device=dev), steps
+        else:
+            row_steps = steps.to(device=dev, dtype=torch.long)
+            passes = int(row_steps.max()) if B else 0  # one host sync, before the loop
+        s_safe = row_steps.clamp(min=1)
+        for step in range(passes):
+            # per-row commit counts of this pass: ceil(K(i+1)/s) - ceil(Ki/s), 0 once i >= s
+            n_commit = (K * (step + 1) + s_safe - 1) // s_safe - (K * step + s_safe - 1) // s_safe
+            n_commit = torch.where(step < row_steps, n_commit, torch.zeros_like(n_commit))[:, None]  # [B, 1]
+            hidden = self.forward_block(self.embed_block(tokens, masked), positions, ctx_kv, ctx_mask)
+            logits = self.logits(hidden[:, 1:]).float()                       # [B, K, V]
+            scale = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
+            q = torch.softmax(logits / scale, dim=-1)                          # [B, K, V]
+            noise = exp_noise[step] if exp_noise is not None else torch.empty_like(q).exponential_(1)
+            sampled = torch.where(temp[:, None] > 0, (q / noise).argmax(-1), q.argmax(-1))  # [B, K]
+            still = masked[:, 1:]
+            conf = q.max(-1).values
+            # score: higher commits first; left-to-right prefers low indices
+            score = torch.where(l2r[:, None], -order.expand(B, K), conf)
+            score = score.masked_fill(~still, float("-inf"))
+            rank = score.argsort(dim=-1, descending=True).argsort(dim=-1)       # [B, K]
+            commit = still & (rank < n_commit)
+            tokens[:, 1:] = torch.where(commit, sampled, tokens[:, 1:])
+            q_out = torch.where(commit[..., None], q, q_out)
+            masked[:, 1:] = still & ~commit
+        return tokens[:, 1:], q_out
+
+    # -- files --------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write `config.json` and `model.safetensors` (the drafter's own weights only)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "model_type": MODEL_TYPE})
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+
+
+def embedding_signature(weight: torch.Tensor) -> list[float]:
+    """Norms of embedding rows 0..7: a cheap check that the bound embedding is the trained-with one."""
+    return [float(x) for x in weight[:8].detach().float().norm(dim=-1).cpu()]
+
+
+def init_drafter(target_config, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
+                 seed: int = 0, **config_kwargs) -> BlockDiffusionDrafter:
+    """A randomly initialised drafter sized for `target_config`; bound if embed/lm_head given."""
+    cfg = DrafterConfig.for_target(target_config, **config_kwargs)
+    if embed_tokens is not None:
+        cfg.embed_signature = embedding_signature(embed_tokens.weight)
+    gen = torch.Generator().manual_seed(seed)
+    drafter = BlockDiffusionDrafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[1])))
+            elif name == "mask_embedding":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        for layer in drafter.layers:  # residual branches start small
+            layer.o_proj.weight.mul_(1.0 / math.sqrt(2 * cfg.num_layers))
+            layer.mlp.down_proj.weight.mul_(1.0 / math.sqrt(2 * cfg.num_layers))
+    if embed_tokens is not None and lm_head is not None:
+        drafter.bind(embed_tokens, lm_head)
+    return drafter
+
+
+def load_drafter(path: str | Path, target_config, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> BlockDiffusionDrafter:
+    """Load a drafter directory and check it pairs with `target_config` (HF config or dict).
+
+    Raises `DrafterPairingError` naming the field that differs (hidden size, vocab size,
+    layer ids, fingerprint); `FileNotFoundError` / `ValueError` for a broken directory.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    for f in (cfg_file, weights):
+        if not f.exists():
+            raise FileNotFoundError(f"drafter directory {path} has no {f.name}")
+    data = json.loads(cfg_file.read_text())
+    if data.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{cfg_file}: model_type is {data.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    cfg = DrafterConfig.from_dict(data)
+    checks = [
+        ("hidden_size", cfg.hidden_size, _field(target_config, "hidden_size")),
+        ("vocab_size", cfg.vocab_size, _field(target_config, "vocab_size")),
+        ("target_hidden_size", cfg.target_hidden_size, _field(target_config, "hidden_size")),
+    ]
+    for name, mine, theirs in checks:
+        if mine != theirs:
+            raise DrafterPairingError(f"drafter {name} = {mine} but the target has {theirs}")
+    n_layers = _field(target_config, "num_hidden_layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise DrafterPairingError(f"drafter target_layer_ids {bad} do not exist in a target with {n_layers} layers")
+    fp = target_fingerprint(target_config)
+    if cfg.target_fingerprint and cfg.target_fingerprint != fp:
+        raise DrafterPairingError(
+            f"drafter target_fingerprint {cfg.target_fingerprint} != this target's {fp}: "
+            "the drafter was trained for a different target architecture")
+    drafter = BlockDiffusionDrafter(cfg)
+    state = load_file(str(weights))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights}: missing weights {missing}, unexpected weights {unexpected}")
+    return drafter.to(device=device, dtype=dtype) if dtype else drafter.to(device)
+
+
+def context_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """HF `output_hidden_states` tuple (index i + 1 = output of decoder layer i) ->
+    the drafter's context input [B, T, len(layer_ids) * H]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

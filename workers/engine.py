@@ -1,0 +1,530 @@
+"""The decoder engine: continuous batching of speculative-diffusion decoding (contracts §4).
+
+Words used here (see also workers/decisions.py):
+- **slot**: a row of the KV caches owned by one running request. Running requests always occupy
+  slots `0 .. n-1` in order (`running[i]` owns slot i), so batched calls use plain cache views.
+- **committed length L**: tokens whose K/V are in the target cache (and whose target hidden
+  states are in the drafter's context cache). The **anchor** (last emitted token) sits at L.
+- **step**: one `Engine.step()`: prefill of newly added requests (their first token comes from
+  the target), then one decode step over all running rows: (1) steps `s` per row; (2) the
+  drafter denoises `[anchor, MASK x K]` for rows with s > 0, all rows batched, s_max passes;
+  (3) draft length `k` and acceptance rule per row; (4) one target forward over
+  `[anchor, x_1..x_k]` per row (padded to max k + 1), `kernels.verify` on the ragged flat batch;
+  (5) commit: lengths += accepted + 1 (rollback is just not advancing), the drafter context
+  receives the target hidden states of the new positions; one host sync reads the results.
+
+Randomness: each sampled request draws from its own `torch.Generator` (seeded by
+`SamplingParams.seed`), and draws only what its own row needs, so a seeded request's output does
+not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import Rule, verify
+from kernels.denoise import select_commit
+from kernels.rules import NEEDS_DRAFT_PROBS
+from workers.decisions import DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome, exact_rules
+from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
+from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
+from workers.target_model import load_target, resolve_dtype
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
+DEMO_DRAFTER = REPO_ROOT / "models" / "demo" / "drafter"
+_NEEDS_Q = torch.tensor(sorted(int(r) for r in NEEDS_DRAFT_PROBS))
+
+
+@dataclass
+class EngineConfig:
+    """target / drafter: local model directories (drafter None = autoregressive only);
+    dtype: auto | float32 | bfloat16 | float16; device: auto | cpu | cuda[:i];
+    max_batch: running requests at once; max_len: prompt + generated tokens per request."""
+
+    target: str | Path = DEMO_TARGET
+    drafter: str | Path | None = DEMO_DRAFTER
+    dtype: str = "auto"
+    device: str = "auto"
+    max_batch: int = 64
+    max_len: int = 1024
+    seed: int = 0  # seeds the generators of requests that bring no seed
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    knobs: DecodeKnobs
+    targets: object
+    stop_ids: tuple[int, ...]
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    length: int = 0            # committed length L
+    passes: int = 0            # target forward passes that emitted tokens for this request
+    accepted: int = 0
+    verified: int = 0
+    tvd: float = 0.0
+    recent_accept: float = 0.0
+    t_start: float = 0.0
+    t_last: float = 0.0
+    last_knobs: tuple = (0, 0, int(Rule.GREEDY))  # steps, draft_len, rule of the latest step
+    apos: list[float] = field(default_factory=list)  # accept_per_position
+    _ema_before: float = 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, decisions: DecisionMaker | None = None, trace_sink=None):
+        self.config = config
+        if config.max_batch < 1:
+            raise EngineInputError(f"max_batch must be >= 1, got {config.max_batch}")
+        dev = config.device
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.target = load_target(config.target, self.dtype, self.device)
+        tcfg = self.target.config
+        self.vocab = tcfg.vocab_size
+        self.max_len = min(config.max_len, tcfg.max_position)
+        if self.max_len < 2:
+            raise EngineInputError(f"max_len must be >= 2, got {config.max_len}")
+        self.drafter = None
+        self.block = 0
+        self.capture: tuple[int, ...] = ()
+        if config.drafter is not None:
+            from workers.drafter import load_drafter
+
+            path = Path(config.drafter)
+            if not (path / "config.json").is_file():
+                raise EngineInputError(f"drafter directory {str(path)!r} does not exist or has no config.json")
+            self.drafter = load_drafter(path, tcfg.hf_config, device=self.device, dtype=self.dtype)
+            self.drafter.bind(self.target.model.embed_tokens, self.target.lm_head).eval().requires_grad_(False)
+            self.block = self.drafter.config.block_size
+            self.capture = tuple(self.drafter.config.target_layer_ids)
+        cap = self.max_len + self.block + 1  # room for speculative writes past max_len
+        self.tcache = self.target.new_cache(config.max_batch, cap)
+        self.dcache = None
+        if self.drafter is not None:
+            from workers.kv_cache import KVCache
+
+            dc = self.drafter.config
+            self.dcache = KVCache(dc.num_layers, config.max_batch, dc.num_kv_heads, cap, dc.head_dim,
+                                  dtype=self.dtype, device=self.device)
+        K = max(self.block, 1)
+        self.acc_counts = torch.zeros(config.max_batch, K, device=self.device)    # accepted at draft position j
+        self.reach_counts = torch.zeros(config.max_batch, K, device=self.device)  # verified with all before accepted
+        self.decisions = decisions or StaticDecisions()
+        self.trace_sink = trace_sink
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.requests: dict[str, _Request] = {}
+        self.step_count = 0
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self._tokenizer = None
+        self._needs_q = _NEEDS_Q.to(self.device)
+
+    # -- requests -----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            path = Path(self.config.target)
+            if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+                raise EngineInputError(f"prompt: text prompts need a tokenizer, and {path} has none (pass token ids)")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return self._tokenizer
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    knobs: DecodeKnobs | None = None, targets: object = None) -> None:
+        """Queue a request; it is prefilled at the next `step()`. Raises `EngineInputError`
+        (a ValueError) naming the bad field; the engine state is untouched then."""
+        params = params or SamplingParams()
+        knobs = knobs or DecodeKnobs(draft_len=self.block)
+        if not isinstance(request_id, str) or not request_id:
+            raise EngineInputError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise EngineInputError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise EngineInputError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(knobs, DecodeKnobs):
+            raise EngineInputError(f"knobs must be DecodeKnobs, got {type(knobs).__name__}")
+        self._check_knobs(knobs)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EngineInputError("prompt must not be empty")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise EngineInputError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise EngineInputError(f"prompt token ids must lie in [0, {self.vocab}), got {bad[:3]}")
+        if len(ids) >= self.max_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens, but the context holds {self.max_len} (max_len) including at least one generated token")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab]
+        if bad:
+            raise EngineInputError(f"stop_token_ids must lie in [0, {self.vocab}), got {bad}")
+        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.target.config.eos_token_ids)
+        gen = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        req = _Request(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+
+    def _check_knobs(self, knobs: DecodeKnobs) -> None:
+        if knobs.draft_len > 0 and knobs.steps > 0:
+            if self.drafter is None:
+                raise EngineInputError(f"draft_len = {knobs.draft_len} needs a drafter, and this engine has none (use draft_len 0)")
+            if knobs.draft_len > self.block:
+                raise EngineInputError(f"draft_len = {knobs.draft_len} exceeds the drafter's block size {self.block}")
+            if knobs.steps > self.block:
+                raise EngineInputError(f"steps = {knobs.steps} exceeds the drafter's block size {self.block}")
+
+    def set_knobs(self, request_id: str, knobs: DecodeKnobs) -> None:
+        """Change a request's static knobs; they apply from the next step."""
+        self._check_knobs(knobs)
+        self.requests[request_id].knobs = knobs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its cache slot. Returns its final output (finish_reason
+        'abort'), or None if the id is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self._release([self.running.index(req)])
+        return RequestOutput(request_id, [], True, "abort", self._stats(req))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def free_slots(self) -> int:
+        return self.config.max_batch - len(self.running)
+
+    # -- the step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Decode one step for every running request, then prefill waiting ones (up to free
+        slots). Returns the outputs of requests that received tokens."""
+        outputs = self._decode() if self.running else []
+        if self.waiting and self.free_slots:
+            outputs += self._prefill()
+        return outputs
+
+    def _prefill(self) -> list[RequestOutput]:
+        new = [self.waiting.popleft() for _ in range(min(self.free_slots, len(self.waiting)))]
+        t0 = time.perf_counter()
+        dev, m, row0 = self.device, len(new), len(self.running)
+        P = max(len(r.prompt) for r in new)
+        ids = torch.tensor([r.prompt + [0] * (P - len(r.prompt)) for r in new], device=dev)  # [m, P]
+        lens = torch.tensor([len(r.prompt) for r in new], device=dev)
+        zero = torch.zeros(m, dtype=torch.long, device=dev)
+        logits, hidden = self.target(ids, zero, self.tcache, row0, P, self.capture, logits_index=(lens - 1)[:, None])
+        if self.drafter is not None:
+            pos = torch.arange(P, device=dev).expand(m, P)
+            self.dcache.write(self.drafter.context_kv(hidden, pos), row0, zero)
+        temp, top_k, top_p = self._sampling_tensors(new)
+        probs = probabilities(logits[:, 0], temp, top_k, top_p)  # [m, V]
+        noise = self._noise(new, [1] * m, probs.shape[1], ones=True)
+        first = race_sample(probs, noise, temp <= 0)
+        self.acc_counts[row0 : row0 + m] = 0
+        self.reach_counts[row0 : row0 + m] = 0
+        tokens = first.tolist()  # the prefill's one host sync
+        now = time.perf_counter()
+        outputs, done = [], []
+        for i, (req, tok) in enumerate(zip(new, tokens)):
+            self.running.append(req)
+            req.t_start, req.length, req.passes = t0, len(req.prompt), 1
+            reason = self._emit(req, [tok], now)
+            outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, self._stats(req)))
+            if reason is not None:
+                done.append(row0 + i)
+        self._release(done)
+        return outputs
+
+    def _decode(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        dev, run, B, K, V = self.device, self.running, len(self.running), self.block, self.vocab
+        rows = self._row_state()
+        steps = self.decisions.choose_steps(rows).to(torch.int64).clamp(0, K)
+        s_host = steps.tolist()
+        temp, top_k, top_p = self._sampling_tensors(run)
+        lengths = torch.tensor([r.length for r in run], device=dev)  # [B] L
+        anchors = torch.tensor([r.output[-1] for r in run], device=dev)  # [B]
+        l2r = torch.tensor([r.knobs.commit_order == "left-to-right" for r in run], device=dev)
+        steps_d = steps.to(dev)
+        conditional = (steps_d <= 1) | l2r
+        exact = exact_rules(temp, conditional)
+
+        # (2) draft all rows with s > 0 together
+        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)  # [B, K]
+        conf = torch.zeros(B, K, device=dev)
+        ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
+        q_full = None
+        if K and max(s_host) > 0:
+            drows = [i for i, s in enumerate(s_host) if s > 0]
+            sel = None if len(drows) == B else torch.tensor(drows, device=dev)
+            tok_d, q_d = self._draft(drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r)
+            c, e, mg = draft_features(q_d)
+            if sel is None:
+                drafts, conf, ent, margin, q_full = tok_d, c, e, mg, q_d
+            else:
+                drafts[sel], conf[sel], ent[sel], margin[sel] = tok_d, c, e, mg
+                q_full = torch.zeros(B, K, V, device=dev)
+                q_full[sel] = q_d
+        t_draft = time.perf_counter()
+
+        # (3) draft length and rule per row; lossless rows get exact rules only
+        feats = DraftFeatures(steps_d, conf, ent, margin, exact, conditional)
+        dec = self.decisions.choose_verify(rows, feats)
+        remaining = rows.remaining.to(dev)
+        k = torch.minimum(dec.draft_len.to(dev).clamp(min=0), torch.where(steps_d > 0, K, 0))
+        k = torch.minimum(k, remaining - 1)
+        rule = dec.rule.to(dev, torch.int32)
+        lossless = torch.tensor([r.knobs.lossless for r in run], device=dev)
+        allowed = (rule == exact) | ((rule == int(Rule.MATCH)) & (temp > 0))
+        forced = lossless & ~allowed
+        rule = torch.where(forced, exact, rule)
+        param = torch.where(forced, 0.0, dec.param.to(dev, torch.float32))
+        param2 = torch.where(forced, 0.0, dec.param2.to(dev, torch.float32))
+        # the draft lengths size the target forward, so the host reads them (free for a decision
+        # maker that answers with CPU tensors, as StaticDecisions does)
+        k_host, rule_host, p1_host, p2_host = torch.stack([k.double(), rule.double(), param.double(), param2.double()]).tolist()
+        k_host, rule_host = [int(x) for x in k_host], [int(x) for x in rule_host]
+
+        # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
+        kmax = max(k_host)
+        Tq = kmax + 1
+        inp = torch.cat([anchors[:, None], drafts[:, :kmax]], 1)  # [B, Tq]
+        width = max(r.length for r in run) + Tq
+        logits, hidden = self.target(inp, lengths, self.tcache, 0, width, self.capture)  # [B, Tq, V]
+        if self.drafter is not None:
+            pos = lengths[:, None] + torch.arange(Tq, device=dev)
+            self.dcache.write(self.drafter.context_kv(hidden, pos), 0, lengths)
+        n = sum(k_host)
+        k_t = torch.tensor(k_host, device=dev)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        cu[1:] = k_t.cumsum(0)
+        ar = torch.arange(B, device=dev)
+        row_t = torch.repeat_interleave(ar, k_t + 1, output_size=n + B)  # [n + B] row of each target position
+        col_t = torch.arange(n + B, device=dev) - (cu[:-1].long() + ar)[row_t]
+        p_flat = probabilities(logits[row_t, col_t], temp[row_t], None if top_k is None else top_k[row_t],
+                               None if top_p is None else top_p[row_t])  # [n + B, V]
+        is_draft = col_t < k_t[row_t]
+        row_d, col_d = row_t[is_draft] if n else row_t[:0], col_t[is_draft] if n else col_t[:0]
+        draft_flat = drafts[row_d, col_d]  # [n]
+        needs_q = any(rr in NEEDS_DRAFT_PROBS for rr, kk in zip(rule_host, k_host) if kk > 0)
+        q_flat = q_full[row_d, col_d] if needs_q else None  # [n, V]
+        uniforms = torch.zeros(n, device=dev)
+        noise = self._noise(run, [kk + 1 for kk in k_host], V, ones=True, uniforms=(uniforms, k_host))
+        out = verify(draft_flat, cu, p_flat, q_flat, rule, param, param2, uniforms, noise, kmax, check=False)
+
+        # (5) commit, stop conditions, stats: all on device, then one host sync
+        a = out.num_accepted.to(torch.int64)
+        emit = a + 1
+        j = torch.arange(Tq, device=dev)
+        stop_tab = self._stop_table(run)  # [B, S]
+        is_stop = (out.tokens[:, :, None] == stop_tab[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
+        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
+        n_emit = torch.minimum(emit, first_stop + 1)
+        jk = torch.arange(K or 1, device=dev)
+        self.acc_counts[:B] += (jk[None] < a[:, None]).float()
+        self.reach_counts[:B] += ((jk[None] < k[:, None]) & (jk[None] <= a[:, None])).float()
+        apos = self.acc_counts[:B] / self.reach_counts[:B].clamp(min=1)
+        packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(),
+                  out.tvd_spent[:, None].double(), apos.double(), self.reach_counts[:B].double()]
+        tracing = self.trace_sink is not None
+        if tracing:
+            packed += [conf.double(), ent.double(), margin.double()]
+        host = torch.cat(packed, 1).tolist()  # the step's one host sync
+        now = time.perf_counter()
+
+        outputs, done, records = [], [], []
+        step_ms = (now - t0) * 1e3
+        for i, (req, row) in enumerate(zip(run, host)):
+            ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
+            new = list(map(int, row[:ne]))
+            kk = k_host[i]
+            req.passes += 1
+            req._ema_before = req.recent_accept
+            req.accepted += ai
+            req.verified += kk
+            req.tvd += tvd_i
+            if kk:
+                req.recent_accept = ai / kk if req.verified == kk else 0.7 * req.recent_accept + 0.3 * ai / kk
+            reached = row[Tq + 3 + K : Tq + 3 + 2 * K]
+            nr = sum(1 for x in reached if x > 0)
+            req.apos = row[Tq + 3 : Tq + 3 + nr]
+            req.last_knobs = (s_host[i], kk, rule_host[i])
+            req.length += ai + 1
+            if tracing:
+                base = Tq + 3 + 2 * K
+                records.append(self._record(req, i, row[base : base + 3 * K], K, s_host[i], kk, rule_host[i],
+                                            p1_host[i], p2_host[i], ai, tvd_i, t0, t_draft, now, B, n + B))
+            reason = self._emit(req, new, now)
+            outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, self._stats(req)))
+            if reason is not None:
+                done.append(i)
+        if tracing:
+            self.trace_sink.write(records)
+        acc_host = [int(row[Tq]) for row in host]
+        tvd_host = [row[Tq + 2] for row in host]
+        self.decisions.observe(rows, StepOutcome(torch.tensor(acc_host), torch.tensor(k_host), torch.tensor(tvd_host),
+                                                 now - t0, n + B))
+        self.step_count += 1
+        self._release(done)
+        return outputs
+
+    def _draft(self, drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r):
+        """Denoise `[anchor, MASK x K]` for rows `drows` (sel: their indices, None = all rows).
+        Returns drafted tokens [Bd, K] and q [Bd, K, V], the distribution each was drawn from."""
+        dev, K, dr = self.device, self.block, self.drafter
+        pick = (lambda t: t) if sel is None else (lambda t: None if t is None else t[sel])
+        Bd = len(drows)
+        L, T, tk, tp, lr = pick(lengths), pick(temp), pick(top_k), pick(top_p), pick(l2r)
+        s_list = [s_host[i] for i in drows]
+        s_d = torch.tensor(s_list, device=dev)
+        C = max(self.running[i].length for i in drows)
+        ctx = self.dcache.views(0, Bd, C) if sel is None else self.dcache.gather(sel, C)
+        ctx_mask = (torch.arange(C, device=dev)[None, None, :] < L[:, None, None]).expand(Bd, K + 1, C)
+        positions = L[:, None] + torch.arange(K + 1, device=dev)  # [Bd, K + 1]
+        tokens = torch.zeros(Bd, K + 1, dtype=torch.long, device=dev)
+        tokens[:, 0] = pick(anchors)
+        masked = torch.ones(Bd, K + 1, dtype=torch.bool, device=dev)
+        masked[:, 0] = False
+        q_rec = torch.zeros(Bd, K, self.vocab, device=dev)
+        s_max = max(s_list)
+        greedy = T <= 0
+        u = torch.zeros(Bd, s_max, K, device=dev)  # one uniform per (step, position) for sampled rows
+        for b, i in enumerate(drows):
+            g = self.running[i].generator
+            if g is not None:
+                u[b, : s_list[b]].uniform_(generator=g)
+        T_rep = T.repeat_interleave(K)
+        tk_rep = None if tk is None else tk.repeat_interleave(K)
+        tp_rep = None if tp is None else tp.repeat_interleave(K)
+        for it in range(s_max):
+            hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, ctx_mask)
+            logits = dr.logits(hidden[:, 1:]).float()  # [Bd, K, V]
+            q = probabilities(logits.flatten(0, 1), T_rep, tk_rep, tp_rep).view(Bd, K, -1)
+            x = torch.where(greedy[:, None], q.argmax(-1), inverse_cdf_sample(q, u[:, it]))  # [Bd, K]
+            c = q.gather(-1, x[..., None]).squeeze(-1)
+            still = masked[:, 1:]
+            left = (s_d - it).clamp(min=1)
+            n_commit = torch.where(s_d > it, (still.sum(1) + left - 1) // left, 0).to(torch.int32)
+            commit = select_commit(c, still, n_commit, lr)
+            tokens[:, 1:] = torch.where(commit, x, tokens[:, 1:])
+            q_rec = torch.where(commit[..., None], q, q_rec)
+            masked[:, 1:] = still & ~commit
+        return tokens[:, 1:], q_rec
+
+    # -- helpers ------------------------------------------------------------------------
+    def _row_state(self) -> RowState:
+        run = self.running
+        return RowState(
+            request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
+            position=torch.tensor([r.length for r in run]), generated=torch.tensor([len(r.output) for r in run]),
+            temperature=torch.tensor([float(r.params.temperature) for r in run]),
+            recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
+            remaining=torch.tensor([self._remaining(r) for r in run]), batch_size=len(run), block_size=self.block)
+
+    def _remaining(self, req: _Request) -> int:
+        return min(req.params.max_tokens - len(req.output), self.max_len - len(req.prompt) - len(req.output))
+
+    def _sampling_tensors(self, reqs):
+        dev = self.device
+        temp = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
+        top_k = top_p = None
+        if any(r.params.top_k > 0 and r.params.temperature > 0 for r in reqs):
+            top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+        if any(r.params.top_p < 1.0 and r.params.temperature > 0 for r in reqs):
+            top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
+        return temp, top_k, top_p
+
+    def _noise(self, reqs, counts, V, ones, uniforms=None):
+        """Exp(1) noise [sum(counts), V]: request i's `counts[i]` rows drawn from its own generator
+        (greedy rows: ones, unused). `uniforms` = (tensor [n], k per row) also gets each sampled
+        row's k coins, drawn first."""
+        total = sum(counts)
+        sampled = [r.generator is not None for r in reqs]
+        noise = torch.ones(total, V, device=self.device) if not all(sampled) else torch.empty(total, V, device=self.device)
+        off, uoff = 0, 0
+        for i, (req, c) in enumerate(zip(reqs, counts)):
+            if sampled[i]:
+                if uniforms is not None and uniforms[1][i]:
+                    uniforms[0][uoff : uoff + uniforms[1][i]].uniform_(generator=req.generator)
+                noise[off : off + c].exponential_(generator=req.generator)
+            off += c
+            if uniforms is not None:
+                uoff += uniforms[1][i]
+        return noise
+
+    def _stop_table(self, reqs) -> torch.Tensor:
+        S = max(1, max(len(r.stop_ids) for r in reqs))
+        return torch.tensor([list(r.stop_ids) + [-2] * (S - len(r.stop_ids)) for r in reqs], device=self.device)
+
+    def _emit(self, req: _Request, new: list[int], now: float) -> str | None:
+        """Append tokens; returns the finish reason if the request is done."""
+        req.output.extend(new)
+        req.t_last = now
+        if new and new[-1] in req.stop_ids:
+            return "stop"
+        if self._remaining(req) <= 0:
+            return "length"
+        return None
+
+    def _release(self, idx: list[int]) -> None:
+        """Free the slots `idx` of the running list, moving the last slots into the holes."""
+        for i in sorted(idx, reverse=True):
+            req = self.running[i]
+            last = len(self.running) - 1
+            if i != last:
+                moved = self.running[last]
+                self.tcache.move(last, i, moved.length + 1)
+                if self.dcache is not None:
+                    self.dcache.move(last, i, moved.length + 1)
+                self.acc_counts[i] = self.acc_counts[last]
+                self.reach_counts[i] = self.reach_counts[last]
+                self.running[i] = moved
+            self.running.pop()
+            self.requests.pop(req.request_id, None)
+
+    def _stats(self, req: _Request) -> dict:
+        gen = len(req.output)
+        wall = max(req.t_last - req.t_start, 1e-9)
+        return {
+            "tau": gen / max(req.passes, 1), "target_passes": req.passes, "tokens": gen,
+            "accepted": req.accepted, "verified": req.verified,
+            "accept_per_position": [round(x, 4) for x in req.apos], "tvd_spent": req.tvd,
+            "steps_used": req.last_knobs[0], "draft_len_used": req.last_knobs[1],
+            "rules_used": Rule(req.last_knobs[2]).name, "tokens_per_s": gen / wall,
+            "prompt_tokens": len(req.prompt),
+        }
+
+    def _record(self, req, i, feats, K, s, k, rule, param, param2, a, tvd, t0, t_draft, now, B, num_tokens) -> dict:
+        # called after the step's commit: position / generated / recent_accept as before the step
+        before = req.length - a - 1
+        return {
+            "v": 1, "request_id": req.request_id, "step": self.step_count, "time": time.time(),
+            "position": before, "generated": len(req.output),
+            "temperature": float(req.params.temperature), "recent_accept": req._ema_before,
+            "batch_size": B, "num_tokens": num_tokens, "steps": s, "draft_len": k, "rule": rule,
+            "param": param, "param2": param2, "commit_order": req.knobs.commit_order,
+            "confidence": feats[:K] if s else [], "entropy": feats[K : 2 * K] if s else [],
+            "margin": feats[2 * K : 3 * K] if s else [], "accepted": a,
+            "accept_flags": [1] * a + [0] * (k - a), "tvd_spent": tvd,
+            "draft_ms": (t_draft - t0) * 1e3, "verify_ms": (now - t_draft) * 1e3, "step_ms": (now - t0) * 1e3,
+        }

@@ -1,0 +1,254 @@
+"""The target: a lean Llama / Qwen2 / Qwen3 forward over a slot-based KV cache.
+
+`TargetModel` loads a local Hugging Face causal-LM directory (config.json, safetensors weights)
+and runs the decoder without `generate`'s machinery: one call takes a padded batch of new tokens
+`[B, T]`, writes their keys and values into a preallocated `KVCache` at each row's own start
+position, attends causally over each row's cached prefix, and returns logits plus the hidden
+states of the layers the drafter reads.
+
+Family differences handled here: Qwen2 has q/k/v biases, Qwen3 has a per-head RMSNorm on q and k
+(`q_norm`, `k_norm`) and an explicit `head_dim`, Llama may carry `attention_bias`/`mlp_bias`.
+Parameter names match the Hugging Face checkpoints, so weights load with `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from workers.kv_cache import KVCache
+from workers.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from workers.request import ModelLoadError
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The architecture facts the forward needs, read from a Hugging Face `config.json`."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: object = None  # the transformers PretrainedConfig, for loaders that want it
+
+    @classmethod
+    def from_hf(cls, hf) -> "TargetConfig":
+        family = hf.model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise ModelLoadError(f"target model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        rope = getattr(hf, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(f"target rope_type {rope_type!r} is not supported (only 'default')")
+        if getattr(hf, "use_sliding_window", False):
+            raise ModelLoadError("target uses sliding-window attention, which is not supported")
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        attn_bias = bool(getattr(hf, "attention_bias", False))
+        eos = hf.eos_token_id
+        eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        return cls(
+            family=family, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            rope_theta=float(theta), rms_eps=float(hf.rms_norm_eps),
+            qkv_bias=True if family == "qwen2" else attn_bias,
+            o_bias=False if family == "qwen2" else attn_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            max_position=int(getattr(hf, "max_position_embeddings", 1 << 30)),
+            eos_token_ids=eos, hf_config=hf,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, cache_k, cache_v, write_idx, mask):
+        """x [B, T, H]; cos/sin [B, T, d]; cache_k/v [B, kvh, W, d] views of this layer's cache rows;
+        write_idx [B, kvh, T, d] int64 positions to write; mask [B, 1, T, W] bool (True = attend)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, d]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, d]
+        cache_k.scatter_(2, write_idx, k.to(cache_k.dtype))
+        cache_v.scatter_(2, write_idx, v.transpose(1, 2).to(cache_v.dtype))
+        out = F.scaled_dot_product_attention(
+            q, cache_k, cache_v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )  # [B, h, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, write_idx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, write_idx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Decoder(nn.Module):
+    """Holds the parameters under the same names as the HF `model.` prefix."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class TargetModel(nn.Module):
+    """Causal LM forward over a `KVCache`. Parameters are named as in the HF checkpoint."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, max_batch: int, max_len: int, dtype=None) -> KVCache:
+        cfg = self.config
+        p = self.model.embed_tokens.weight
+        return KVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim,
+                       dtype=dtype or p.dtype, device=p.device)
+
+    def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache, row0: int, width: int,
+                capture: tuple[int, ...] = (), logits_index: torch.Tensor | None = None):
+        """Run new tokens through the model, appending their K/V to the cache.
+
+        input_ids [B, T] int64: new tokens of cache rows `row0 .. row0 + B - 1`, row r's token t
+            sits at position start[r] + t (padding past a row's real tokens is harmless: its K/V
+            land beyond the row's length and are overwritten before they are ever attended).
+        start [B] int64: each row's cached length before this call.
+        width: host-known bound on the attended window, >= max(start) + T.
+        capture: decoder-layer indices whose outputs to return (0 = after the first layer; the last
+            layer's entry is after the final norm, as in HF `output_hidden_states`, which the
+            drafter was trained on).
+        logits_index [B, J] int64 or None: if given, only those token positions get logits.
+        Returns logits [B, T or J, V] in float32 and hidden [B, T, len(capture) * H] (or None).
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        keys = torch.arange(width, device=device)  # [W]
+        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, W]
+        kvh, d = self.config.num_kv_heads, self.config.head_dim
+        write_idx = positions[:, None, :, None].expand(B, kvh, T, d)  # [B, kvh, T, d]
+        captured: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            ck, cv = cache.view(i, row0, B, width)
+            x = layer(x, cos, sin, ck, cv, write_idx, mask)
+            if i in capture and i != last:
+                captured[i] = x
+        x = self.model.norm(x)
+        if last in capture:  # as in HF's output_hidden_states, the last entry is after the final norm
+            captured[last] = x
+        hidden = torch.cat([captured[i] for i in capture], -1) if capture else None
+        if logits_index is not None:
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(x).float()
+        return logits, hidden
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = the fastest on the device: bfloat16 on CPUs and on GPUs that support it."""
+    if name == "auto":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(str(single))
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(path / shard)))
+        return state
+    raise ModelLoadError(f"target directory {path} has no model.safetensors (or sharded index)")
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:
+    """Load a local HF Llama/Qwen2/Qwen3 directory into a `TargetModel` (eval mode, no grad)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"target directory {str(path)!r} does not exist or has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelLoadError(f"target config in {path} cannot be read: {exc}") from exc
+    cfg = TargetConfig.from_hf(hf)
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    state = {k: v for k, v in _read_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    unexpected = set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ModelLoadError(f"target weights in {path} do not match a {cfg.family} model: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model
