@@ -26,7 +26,8 @@ _SETTINGS = {
     "static": {"steps", "draft_len", "rule"},
     "batch-schedule": {"schedule", "steps", "rule"},
     "dspark": {"steps", "stop"},
-    "adaptive": {"steps_grid", "allow_no_draft", "sla_weight", "sla_slack", "priority_weight"},
+    "adaptive": {"steps_grid", "allow_no_draft", "sla_weight", "sla_slack", "priority_weight", "flat_share",
+                 "replan_every"},
     "explore": {"steps_grid", "lenient_share", "seed"},
 }
 

@@ -20,6 +20,7 @@ All evaluation methods accept tensors and run as tensor code (no per-row Python)
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable, Sequence
 
@@ -55,6 +56,17 @@ class Table:
         i = (torch.searchsorted(xs, x_t.contiguous()) - 1).clamp(0, xs.numel() - 2)
         return (icpt[i] + slope[i] * x_t).clamp_min(0.0)
 
+    def at(self, x: float) -> float:
+        """Scalar evaluation in plain Python (no tensor ops: the per-step fast path)."""
+        key = ("py", self._version)
+        if getattr(self, "_py_key", None) != key:
+            self._py = (self.xs.tolist(), self.ys.tolist())
+            self._py_key = key
+        xs, ys = self._py
+        i = min(max(bisect.bisect_left(xs, x) - 1, 0), len(xs) - 2)
+        y = ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+        return y if y > 0.0 else 0.0
+
     def _cached(self, device, dtype):
         """Per-segment slope and intercept on ``device`` (recomputed after `nudge`)."""
         key = (str(device), dtype, self._version)
@@ -67,8 +79,9 @@ class Table:
 
     def weights(self, x: float) -> tuple[int, int, float]:
         """The two bracketing indices and the weight of the upper one, for online updates."""
-        i = int(torch.searchsorted(self.xs, torch.tensor([float(x)], dtype=torch.float64)).clamp(1, len(self.xs) - 1))
-        w = float((x - self.xs[i - 1]) / (self.xs[i] - self.xs[i - 1]))
+        xs = self.xs.tolist()
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
         return i - 1, i, min(max(w, 0.0), 1.0)
 
     def nudge(self, x: float, residual: float, rate: float) -> None:
@@ -120,6 +133,16 @@ class CostModel:
             t = t + self.draft_ms(rows_per_pass)
         return t
 
+    def step_ms_at(self, num_tokens: float, rows_per_pass: Sequence[int] | None = None) -> float:
+        """`step_ms` for one step, in plain Python floats: ``rows_per_pass`` a list of row counts."""
+        t = self.overhead_ms + self.verify.at(float(num_tokens))
+        if rows_per_pass:
+            t += sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0)
+        return t
+
+    def draft_ms_at(self, rows_per_pass: Sequence[int]) -> float:
+        return sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0)
+
     @staticmethod
     def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
         """steps: [B] diffusion steps per row -> [max_steps] rows in each pass."""
@@ -127,23 +150,22 @@ class CostModel:
         return (steps[None, :] >= levels[:, None]).sum(1)
 
     # -- online correction ------------------------------------------------------------------------
-    def observe(self, num_tokens: float, rows_per_pass: Sequence[int] | torch.Tensor, step_ms: float,
+    def observe(self, num_tokens: float, rows_per_pass: Sequence[int], step_ms: float,
                 verify_ms: float | None = None, draft_ms: float | None = None) -> None:
-        """Move the tables toward one measured step (EMA with `rate`)."""
+        """Move the tables toward one measured step (EMA with `rate`); plain Python, no tensors."""
         if not np.isfinite(step_ms) or step_ms <= 0:
             return
-        rows = [int(r) for r in torch.as_tensor(rows_per_pass).tolist() if int(r) > 0]
+        rows = [int(r) for r in (rows_per_pass.tolist() if hasattr(rows_per_pass, "tolist") else rows_per_pass)
+                if int(r) > 0]
         self.observed_steps += 1
         if verify_ms is not None and np.isfinite(verify_ms):
-            self.verify.nudge(num_tokens, verify_ms - float(self.verify(num_tokens)), self.rate)
+            self.verify.nudge(num_tokens, verify_ms - self.verify.at(num_tokens), self.rate)
             if draft_ms is not None and np.isfinite(draft_ms) and rows:
-                pred = [float(self.draft_pass(r)) for r in rows]
-                resid = (draft_ms - sum(pred)) / len(rows)
+                resid = (draft_ms - self.draft_ms_at(rows)) / len(rows)
                 for r in rows:
                     self.draft_pass.nudge(r, resid, self.rate)
             return
-        pred = float(self.step_ms(num_tokens, torch.tensor(rows or [0])))
-        self.verify.nudge(num_tokens, step_ms - pred, self.rate)
+        self.verify.nudge(num_tokens, step_ms - self.step_ms_at(num_tokens, rows), self.rate)
 
     # -- building the tables ----------------------------------------------------------------------
     @classmethod

@@ -6,10 +6,11 @@ Triton is imported only when a Triton backend is used.
 """
 
 from kernels.denoise import select_commit
+from kernels.noise import draw_noise
 from kernels.rules import DEFAULT_PARAMS, EXACT_RULES, LOSSY_RULES, NEEDS_DRAFT_PROBS, Rule, is_exact, parse_rule
 from kernels.verify import VerifyOutput, verify
 
 __all__ = [
-    "DEFAULT_PARAMS", "EXACT_RULES", "LOSSY_RULES", "NEEDS_DRAFT_PROBS", "Rule", "VerifyOutput",
+    "DEFAULT_PARAMS", "EXACT_RULES", "draw_noise", "LOSSY_RULES", "NEEDS_DRAFT_PROBS", "Rule", "VerifyOutput",
     "is_exact", "parse_rule", "select_commit", "verify",
 ]

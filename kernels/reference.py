@@ -126,7 +126,7 @@ def _decide(rid, p, e, x, px, t, prm, prm2, uniforms, draft_probs):
         residual = torch.sub(p, q).clamp_(min=0.0)                       # [n, V] (p - q)+
         tv = residual.sum(-1)                                            # [n] TV(p, q)
         ratio = torch.where(tv > prm, prm / tv, torch.ones_like(tv))     # share of the gap closed
-        acc = ((px >= qx) & (px > 0)) | (u * qx < px + ratio * (qx - px))
+        acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
         return acc, _race_or_target(residual, p, e), torch.minimum(prm, tv)
     if rid == Rule.LAMBDA:
         lam = prm

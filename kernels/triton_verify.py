@@ -160,7 +160,7 @@ def _verify_positions_kernel(
                 if _b <= 0:
                     _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
                 ratio = tl.where(tv > prm, tl.math.div_rn(prm, tl.where(tv > prm, tv, 1.0)), 1.0)
-                acc = ((px >= qx) & (px > 0)) | (u * qx < px + ratio * (qx - px))
+                acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
                 d = tl.minimum(prm, tv)
             elif rule == 4:                     # LAMBDA
                 _b, y, d = _pass(p_row, q_row, e_row, V, x, prm, 1.0, 2, 2, BLOCK)

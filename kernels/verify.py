@@ -101,6 +101,10 @@ def _assemble(accept, token, tvd, draft_tokens, cu, max_k) -> VerifyOutput:
     """Per-row outputs from per-target-row decisions (shared by both backends)."""
     batch = cu.shape[0] - 1
     device = token.device
+    if batch == 0:
+        return VerifyOutput(tokens=torch.empty((0, max_k + 1), dtype=torch.int64, device=device),
+                            num_accepted=torch.empty(0, dtype=torch.int32, device=device),
+                            tvd_spent=torch.empty(0, dtype=torch.float32, device=device))
     cu = cu.to(torch.int64)
     k = cu[1:] - cu[:-1]                                                 # [B]
     j = torch.arange(max_k + 1, device=device)                          # [K + 1]

@@ -37,7 +37,8 @@ class AdaptivePolicy(Policy):
     name = "adaptive"
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = False, sla_weight: float = 2.0,
-                 sla_slack: float = 0.9, priority_weight: float = 0.1, **kwargs):
+                 sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.02,
+                 replan_every: int = 4, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -46,6 +47,11 @@ class AdaptivePolicy(Policy):
             raise ValueError("sla_weight/priority_weight: must be >= 0")
         self.steps_grid = tuple(grid)
         self.allow_no_draft = bool(allow_no_draft)
+        self.flat_share = float(flat_share)
+        if not isinstance(replan_every, int) or replan_every < 1:
+            raise ValueError(f"replan_every: must be an integer >= 1, got {replan_every!r}")
+        self.replan_every = replan_every
+        self._plan = None
         self.sla_weight, self.sla_slack, self.priority_weight = float(sla_weight), float(sla_slack), float(priority_weight)
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
@@ -59,6 +65,14 @@ class AdaptivePolicy(Policy):
             ctx["w"] = (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
         return ctx["w"]
 
+    def _flat(self, B: int, K: int, rpp: list[int]) -> bool:
+        """True when verifying every drafted slot costs under ``flat_share`` more than verifying none."""
+        if self.flat_share <= 0:
+            return False
+        lo = self.cost.step_ms_at(float(B), rpp)
+        hi = self.cost.step_ms_at(float(B * (K + 1)), rpp)
+        return hi <= lo * (1.0 + self.flat_share)
+
     # -- before drafting ---------------------------------------------------------------------------
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
@@ -67,6 +81,17 @@ class AdaptivePolicy(Policy):
             return torch.zeros(B, dtype=torch.int64)
         if len(self.steps_grid) == 1 and not self.allow_no_draft:
             return torch.full((B,), self.steps_grid[0], dtype=torch.int64)
+        # the step plan moves slowly (recent acceptance, lateness): re-plan every few steps while
+        # the batch keeps the same requests
+        key = tuple(rows.request_ids)
+        if self._plan is not None and self._plan[0] == key and self._plan[1] < self.replan_every:
+            self._plan = (key, self._plan[1] + 1, self._plan[2])
+            return self._plan[2]
+        steps = self._plan_steps(rows, ctx, B, K)
+        self._plan = (key, 1, steps)
+        return steps
+
+    def _plan_steps(self, rows, ctx, B: int, K: int) -> torch.Tensor:
         dev = rows.temperature.device
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
@@ -85,11 +110,11 @@ class AdaptivePolicy(Policy):
         if self.allow_no_draft:
             cur_gain, cur_tok, prev_s, first = w.clone(), torch.ones(B, device=dev), 0, 0
             level = torch.full((B,), -1, dtype=torch.int64, device=dev)
-            fixed_draft = torch.zeros((), dtype=torch.float64)
+            fixed_draft = 0.0
         else:
             cur_gain, cur_tok, prev_s, first = gain[:, 0].clone(), toks[:, 0].clone(), self.steps_grid[0], 1
             level = torch.zeros(B, dtype=torch.int64, device=dev)
-            fixed_draft = prev_s * self.cost.draft_ms(torch.tensor([[float(B)]]))[0]
+            fixed_draft = prev_s * self.cost.draft_ms_at([B])
         n = torch.arange(B + 1, dtype=torch.float64)[:, None]                         # [B+1, 1]
         for i in range(first, S):
             s = self.steps_grid[i]
@@ -107,7 +132,7 @@ class AdaptivePolicy(Policy):
                 break
             chosen = order[:n_star]
             cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
-            fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms(torch.tensor([[float(n_star)]]))[0]
+            fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
 
@@ -115,6 +140,15 @@ class AdaptivePolicy(Policy):
     def _verify(self, rows, draft, ctx):
         B, K = draft.confidence.shape
         dev = draft.confidence.device
+        rpp = rows_per_pass(draft.steps)
+        max_s = len(rpp)
+        if self._flat(B, K, rpp):
+            # verification is free here (memory-bound): the greedy would admit every slot anyway
+            k = torch.where(draft.steps > 0, K, 0).to(torch.int64)
+            eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
+            eps = torch.where(rows.temperature.to(dev) > 0, eps, torch.zeros_like(eps))
+            rule, param = rules_from(draft, eps)
+            return make_verify_decision(k, rule, param)
         pred = self._predictor_on(dev)
         w = self.weights(ctx).to(dev)
         temp = rows.temperature.to(dev)
@@ -127,9 +161,8 @@ class AdaptivePolicy(Policy):
                           draft.steps, match, eps) * drafted[:, None]                 # [B, K]
         values = w[:, None] * torch.cummin(a, dim=1).values                           # [B, K]
         # rows whose features may depend on their own earlier draws: a per-row threshold fixed before drafting
-        max_s = int(draft.steps.max()) if B else 0
-        rpp = rows_per_pass(draft.steps.cpu(), max_s)
-        cost_fn = lambda tokens: self.cost.step_ms(tokens.cpu(), rpp).to(dev)  # noqa: E731
+        draft_ms = self.cost.draft_ms_at(rpp)
+        cost_fn = lambda tokens: self.cost.step_ms(tokens.cpu()).to(dev) + draft_ms  # noqa: E731
         if max_s > 1 and bool(ctx["left_to_right"].any()):
             sensitive = (temp > 0) & (eps == 0) & (draft.exact_rule == int(Rule.REJECTION)) & (draft.steps > 1)
             lam = self.threshold.to(dev)
@@ -141,9 +174,9 @@ class AdaptivePolicy(Policy):
         else:
             k, theta = greedy_prefix(values, w.sum(), B, cost_fn, "argmax")
         # λ for the next step: Θ_w at the optimum times the marginal ms of one more verified token
-        tokens = (B + k.sum()).cpu().double()
-        dms = (self.cost.step_ms(tokens + 8.0, rpp) - self.cost.step_ms(tokens, rpp)) / 8.0
-        self.threshold = (theta.cpu().double() * dms.clamp_min(0.0)).float()
+        tokens = float(B + k.sum())
+        dms = (self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens)) / 8.0
+        self.threshold = theta.cpu().float() * max(dms, 0.0)
         eps = torch.where(k > 0, eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
         return make_verify_decision(k, rule, param)

@@ -107,6 +107,7 @@ class Policy:
 
     def observe(self, rows, outcome) -> None:
         t0 = time.thread_time()
+        self._ctx_cache = None  # this step's context is stale now
         accepted = torch.as_tensor(outcome.accepted).cpu()
         step_ms = outcome_ms(outcome)
         emitted = accepted + 1
@@ -115,10 +116,7 @@ class Policy:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
         if self.online_cost and hasattr(self.cost, "observe") and self.last_steps is not None:
-            max_s = int(self.last_steps.max()) if self.last_steps.numel() else 0
-            levels = torch.arange(1, max_s + 1)
-            rows_per_pass = (self.last_steps.cpu()[None, :] >= levels[:, None]).sum(1)
-            self.cost.observe(float(outcome.num_tokens), rows_per_pass, step_ms,
+            self.cost.observe(float(outcome.num_tokens), rows_per_pass(self.last_steps), step_ms,
                               getattr(outcome, "verify_ms", None), getattr(outcome, "draft_ms", None))
         self.decision_s += time.thread_time() - t0
 
@@ -142,7 +140,16 @@ def outcome_ms(outcome) -> float:
     return float(ms) if ms is not None else 1e3 * float(outcome.step_time)
 
 
-def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
-    """steps: [B] -> [max_steps] rows in each denoising pass."""
-    levels = torch.arange(1, max_steps + 1, device=steps.device)
-    return (steps[None, :] >= levels[:, None]).sum(1)
+def rows_per_pass(steps) -> list[int]:
+    """steps: [B] diffusion steps per row (tensor or list) -> rows in each denoising pass 1..max(s)."""
+    values = steps.tolist() if hasattr(steps, "tolist") else list(steps)
+    top = max(values, default=0)
+    counts = [0] * (top + 2)
+    for v in values:
+        if v > 0:
+            counts[v] += 1
+    out, running = [], 0
+    for level in range(top, 0, -1):
+        running += counts[level]
+        out.append(running)
+    return out[::-1]

@@ -58,3 +58,9 @@ class LinearCost:
     def step_ms(self, num_tokens, rows_per_pass=None):
         t = self.verify_ms(num_tokens)
         return t if rows_per_pass is None else t + self.draft_ms(rows_per_pass)
+
+    def step_ms_at(self, num_tokens: float, rows_per_pass=None) -> float:
+        return float(self.step_ms(float(num_tokens), None if rows_per_pass is None else torch.tensor(list(rows_per_pass))))
+
+    def draft_ms_at(self, rows_per_pass) -> float:
+        return float(self.draft_ms(torch.tensor(list(rows_per_pass), dtype=torch.float64)))

@@ -38,6 +38,6 @@ class DSparkPolicy(Policy):
         a = pred.survival(draft.confidence, draft.entropy, draft.margin, rows.temperature.to(dev),
                           rows.recent_accept.to(dev), draft.steps, draft.exact_rule == int(Rule.MATCH))  # [B, K]
         a = a * (draft.steps > 0)[:, None]
-        rpp = rows_per_pass(draft.steps.cpu(), self.steps)
-        k, _ = greedy_prefix(a, float(B), B, lambda tokens: self.cost.step_ms(tokens.cpu(), rpp).to(dev), self.stop)
+        draft_ms = self.cost.draft_ms_at(rows_per_pass(draft.steps))
+        k, _ = greedy_prefix(a, float(B), B, lambda tokens: self.cost.step_ms(tokens.cpu()).to(dev) + draft_ms, self.stop)
         return make_verify_decision(k, draft.exact_rule, torch.zeros(B, device=dev))

@@ -101,6 +101,15 @@ def test_exact_rules_reproduce_target(rule, temperature, top_p):
     assert (a >= 1).sum() > N // 50 and (a >= 2).sum() > N // 500
 
 
+def test_rejection_with_a_truncated_drafter():
+    """q supported on 4 tokens only: the residual alone must supply the rest of p."""
+    p = target_dist(9, 1.0, 1.0)
+    q = torch.zeros(VOCAB)
+    q[p.argsort(descending=True)[:4]] = torch.tensor([0.5, 0.1, 0.3, 0.1])
+    out = run(p[None].repeat(2, 1), q[None], Rule.REJECTION, seed=12)
+    assert chi2_pvalue(counts(out.tokens[:, 0]), p) > ALPHA
+
+
 def test_rejection_acceptance_rate_is_one_minus_tv():
     p, q = target_dist(4, 1.0, 1.0), draft_dist(4)
     out = run(p[None].repeat(2, 1), q[None], Rule.REJECTION, seed=7)

@@ -13,12 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kernels import Rule
-from tests.tiny_models import make_tiny_pair
+from tests.tiny_models import make_tiny_pair, single_thread
 from workers.decisions import StaticDecisions, VerifyDecision
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
 MAX_TOKENS = 24
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.fixture(scope="module", params=[512, 16], ids=["vocab512", "vocab16"])

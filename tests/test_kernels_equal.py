@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest
 import torch
 
-from kernels import DEFAULT_PARAMS, Rule, select_commit, verify
+from kernels import DEFAULT_PARAMS, Rule, draw_noise, select_commit, verify
 from kernels.reference import positions_reference
 from kernels.verify import _layout, use_triton
 
@@ -156,6 +156,29 @@ def test_empty_batch_and_no_drafts():
     rule, prm, prm2 = rule_tensors([Rule.MATCH, Rule.GREEDY])
     out = both(x, cu, p, None, rule, prm, prm2, u, e, 0)
     assert out.tokens.shape == (2, 1) and (out.num_accepted == 0).all()
+
+
+def test_seeded_rows_do_not_depend_on_batch_companions():
+    """Per-request generators: a row's output is the same alone and inside a batch."""
+    vocab = 64
+    x, cu, p, q, _u, _e = make_batch([5, 3, 0, 7], vocab=vocab, seed=6)
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.EPS_TVD, Rule.MATCH, Rule.SGLANG])
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(4)]
+    u, e = draw_noise(gens, [5, 3, 0, 7], vocab)
+    full = both(x, cu, p, q, rule, prm, prm2, u, e, 16)
+    # row 3 alone: drafts 8..14, target rows 11..18
+    u3, e3 = draw_noise([torch.Generator().manual_seed(103)], [7], vocab)
+    alone = both(x[8:15], torch.tensor([0, 7], dtype=torch.int32), p[11:19].contiguous(),
+                 q[8:15].contiguous(), rule[3:], prm[3:], prm2[3:], u3, e3, 16)
+    assert torch.equal(alone.tokens[0], full.tokens[3])
+    assert torch.equal(u3, u[8:15]) and torch.equal(e3, e[11:19])
+
+
+def test_zero_rows():
+    x, cu, p, q, u, e = make_batch([], vocab=20, seed=2)
+    rule, prm, prm2 = rule_tensors([])
+    out = both(x, cu, p, q, rule.to(torch.int32), prm, prm2, u, e, 4)
+    assert out.tokens.shape == (0, 5) and out.num_accepted.shape == (0,)
 
 
 def test_select_commit_equal():

@@ -256,6 +256,8 @@ def test_two_workers_share_load_through_redis(stack, redis_server):
     loads = RedisStore(redis_server.url).loads()
     assert set(loads) == set(s.workers)
     assert all(load["counters"]["passes"] > 0 for load in loads.values())
+    cluster = ray.get(s.controller.cluster_load.remote())  # the controller's aggregate of the same heartbeats
+    assert cluster["num_workers"] == 2 and set(cluster["workers"]) == set(s.workers) and cluster["store_ok"]
 
 
 def test_redis_restart_does_not_stop_serving(stack, client, redis_server):

@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import make_tiny_target
+from tests.tiny_models import make_tiny_target, single_thread
 from workers.request import ModelLoadError
 from workers.target_model import load_target
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -128,3 +128,14 @@ def make_tiny_pair(tmp_dir, family: str = "llama", vocab: int = 512, seed: int =
     drafter_dir = make_tiny_drafter(tmp / f"drafter-{family}-{vocab}-{seed}-{train_steps}", target_dir, seed=seed,
                                     block_size=block_size, train_steps=train_steps)
     return target_dir, drafter_dir
+
+
+def single_thread():
+    """Generator for an autouse fixture: torch on one thread while a test module runs (tiny models
+    gain nothing from threads, and a shared 2-core machine thrashes with them), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

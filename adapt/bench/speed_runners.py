@@ -321,6 +321,21 @@ def find_vllm_python(explicit: str | None) -> tuple[str | None, str]:
                   "&& /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec")
 
 
+def vllm_preload(python: str) -> list[str]:
+    """Libraries vLLM's CPU installation guide preloads: tcmalloc (from the system) and Intel
+    OpenMP (`libiomp5.so`, shipped in vLLM's venv by the intel-openmp wheel), where present."""
+    found = []
+    venv_lib = Path(python).resolve().parent.parent / "lib"
+    for pattern, roots in (("libtcmalloc*.so*", [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib")]),
+                           ("libiomp5.so", [Path(python).parent.parent / "lib", venv_lib])):
+        for root in roots:
+            hits = sorted(p for p in root.glob(pattern) if "debug" not in p.name) if root.is_dir() else []
+            if hits:
+                found.append(str(hits[0]))
+                break
+    return found
+
+
 class VLLMRunner:
     """vLLM's CPU build in a subprocess (`vllm_runner.py`, run by vLLM's own Python), greedy,
     in-process engine core, OpenMP bound to the cores this benchmark uses."""
@@ -333,6 +348,7 @@ class VLLMRunner:
         self.proc: subprocess.Popen | None = None
         self.tail: deque[str] = deque(maxlen=40)
         self.info: dict = {}
+        self.preload: list[str] = []
 
     def launch(self) -> None:
         """Start the subprocess (loading runs in the background until `start()` waits for it)."""
@@ -341,6 +357,9 @@ class VLLMRunner:
                    VLLM_CPU_OMP_THREADS_BIND="0" if self.threads == 1 else f"0-{self.threads - 1}",
                    OMP_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
+        self.preload = vllm_preload(self.python)
+        if self.preload:  # vLLM's CPU guide: tcmalloc + Intel OpenMP (speculation is slow without the latter)
+            env["LD_PRELOAD"] = ":".join(self.preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
         config = {"model": str(self.target), "dtype": str(self.dtype).removeprefix("torch."),
                   "max_model_len": self.max_len, "max_num_seqs": self.max_batch, "seed": 0,
                   "speculative_config": self.speculative}

@@ -79,7 +79,7 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
         if ray_address:
             ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
         else:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), namespace=NAMESPACE, include_dashboard=False)
+            _init_local_ray(num_cpus or os.cpu_count() or 1, NAMESPACE)
         owns_ray = True
     cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     threads = num_threads or max(1, cores // max(1, num_workers))
@@ -114,6 +114,22 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     app.state.controller = controller
     return Stack(controller=controller, workers=handles, router=router, app=app, store=store, owns_ray=owns_ray,
                  worker_ids=list(handles))
+
+
+def _init_local_ray(num_cpus: int, namespace: str, attempts: int = 3) -> None:
+    """Start a local Ray; retried because on an overloaded machine its agents can start too slowly
+    for the raylet's start-up deadline ("node timed out during startup")."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception here
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            log.warning("Ray start-up timed out (attempt %d of %d), retrying", attempt, attempts)
+            ray.shutdown()
 
 
 class HttpServer:

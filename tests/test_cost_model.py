@@ -1,0 +1,97 @@
+"""Step-cost model: interpolation, profiling, fitting from trace timings, online correction."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from adapt.cost_model import CostModel, Table
+from adapt.trace_data import TraceTable
+from tests.policy_fixtures import synthetic_records
+
+
+def test_table_interpolates_and_extrapolates():
+    t = Table([1, 8, 64], [5.0, 6.0, 20.0])
+    x = torch.tensor([1.0, 4.5, 8.0, 36.0, 64.0, 120.0])
+    torch.testing.assert_close(t(x), torch.tensor([5.0, 5.5, 6.0, 13.0, 20.0, 34.0]))
+    assert t(0.0).item() == pytest.approx(5.0 - 1.0 / 7.0)
+    # the scalar fast path agrees with the tensor path
+    for v in (0.5, 3.0, 50.0, 500.0):
+        assert t.at(v) == pytest.approx(float(t(v)), rel=1e-6)
+    assert t(torch.tensor([2, 9])).dtype.is_floating_point
+
+
+@pytest.mark.parametrize("xs,ys,msg", [([1], [1], "two"), ([1, 1], [1, 2], "increase"),
+                                       ([1, 2], [1, -1], "non-negative"), ([1, 2], [1, float("nan")], "finite")])
+def test_table_validation(xs, ys, msg):
+    with pytest.raises(ValueError, match=msg):
+        Table(xs, ys, "cost.verify")
+
+
+def test_step_ms_adds_draft_passes():
+    c = CostModel(Table([1, 100], [10, 20]), Table([1, 11], [1, 2]), overhead_ms=1.0)
+    assert float(c.step_ms(50.5)) == pytest.approx(1 + 15)
+    # two passes: 11 rows then 1 row
+    assert float(c.step_ms(50.5, torch.tensor([11, 1]))) == pytest.approx(1 + 15 + 2 + 1)
+    assert c.step_ms_at(50.5, [11, 1]) == pytest.approx(19.0)
+    torch.testing.assert_close(CostModel.rows_per_pass(torch.tensor([0, 1, 2, 2]), 3), torch.tensor([3, 2, 0]))
+    vec = c.step_ms(torch.tensor([1.0, 100.0]))
+    assert vec.shape == (2,)
+
+
+def test_profile_times_the_callables():
+    def verify_fn(n):  # ~0.02 ms per token
+        time.sleep(2e-5 * n)
+
+    def draft_fn(rows):
+        time.sleep(1e-4 * rows)
+
+    c = CostModel.profile(verify_fn, draft_fn, token_grid=(1, 50, 200), row_grid=(1, 20), repeats=2)
+    ys = c.verify.ys.tolist()
+    assert ys == sorted(ys) and ys[-1] >= 4.0  # 200 tokens sleep 4 ms
+    assert c.draft_pass.at(20) >= 2.0 and c.source == "profile"
+
+
+def test_fit_traces_recovers_verify_and_draft_costs():
+    rng = np.random.default_rng(0)
+    records = []
+    for step in range(300):
+        b = int(rng.integers(1, 17))
+        s = int(rng.integers(1, 3))
+        tokens = b * int(rng.integers(1, 10))
+        verify = 4.0 + 0.05 * tokens
+        draft = s * (1.0 + 0.2 * b)
+        for r in range(b):
+            records.append({"request_id": f"r{r}", "step": step, "steps": s, "draft_len": 0, "rule": 0,
+                             "temperature": 0.0, "accepted": 0, "accept_flags": [], "batch_size": b,
+                             "num_tokens": tokens, "draft_ms": draft, "verify_ms": verify,
+                             "step_ms": verify + draft + 0.5})
+    c = CostModel.fit_traces(TraceTable.from_records(records))
+    assert c.verify.at(40) == pytest.approx(6.0, rel=0.1)
+    assert c.draft_pass.at(10) == pytest.approx(3.0, rel=0.15)
+    assert c.overhead_ms == pytest.approx(0.5, abs=0.2)
+
+
+def test_online_correction_moves_toward_measurements():
+    c = CostModel(Table([1, 64], [10.0, 10.0]), Table([1, 64], [1.0, 1.0]), rate=0.5)
+    for _ in range(20):
+        c.observe(32.0, [4], step_ms=31.0)  # the tables said 11 ms
+    assert c.step_ms_at(32.0, [4]) == pytest.approx(31.0, rel=0.05)
+    before = c.step_ms_at(32.0, [4])
+    c.observe(32.0, [4], step_ms=float("nan"))
+    assert c.step_ms_at(32.0, [4]) == before
+    c.observe(32.0, [4], step_ms=40.0, verify_ms=35.0, draft_ms=5.0)
+    assert c.observed_steps == 21
+
+
+def test_serialisation_round_trip_and_errors():
+    c = CostModel.fit_traces(TraceTable.from_records(synthetic_records(num_requests=5, steps_per_request=5)))
+    again = CostModel.from_dict(c.to_dict())
+    assert again.step_ms_at(30, [2]) == pytest.approx(c.step_ms_at(30, [2]))
+    with pytest.raises(ValueError, match="cost.verify"):
+        CostModel.from_dict({"verify": {"x": [1]}, "draft_pass": {"x": [1, 2], "ms": [1, 1]}})
+    with pytest.raises(ValueError, match="overhead_ms"):
+        CostModel(overhead_ms=-1.0)

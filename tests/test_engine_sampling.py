@@ -1,0 +1,162 @@
+"""Sampled decoding: exact configurations reproduce the target's distribution; seeds reproduce.
+
+Goodness of fit: a vocabulary-8 target makes the joint law of three generated tokens small enough
+(512 outcomes) to compute exactly from plain transformers forwards and to test with a chi-square
+test. Every exact configuration the engine offers is covered, all in one mixed batch:
+autoregressive, REJECTION (s = 1; s = 2 left-to-right), MATCH (most-confident-first s = 2, 4),
+with and without top-k / top-p.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from kernels import Rule
+from tests.tiny_models import make_tiny_pair, single_thread
+from workers.engine import Engine, EngineConfig
+from workers.request import DecodeKnobs, SamplingParams
+from workers.sampling import probabilities
+
+V = 8
+PROMPT = [2, 5, 3]
+N = 1500  # samples per configuration
+
+CONFIGS = {  # name: (knobs, temperature, top_k, top_p, expected rule)
+    "autoregressive": (DecodeKnobs(steps=1, draft_len=0), 1.0, 0, 1.0, None),
+    "s1-rejection": (DecodeKnobs(steps=1, draft_len=4), 1.0, 0, 1.0, Rule.REJECTION),
+    "s2-l2r-rejection": (DecodeKnobs(steps=2, draft_len=4, commit_order="left-to-right"), 1.0, 0, 1.0, Rule.REJECTION),
+    "s2-confidence-match": (DecodeKnobs(steps=2, draft_len=4), 1.0, 0, 1.0, Rule.MATCH),
+    "s4-confidence-match-topk-topp": (DecodeKnobs(steps=4, draft_len=4), 0.7, 5, 0.9, Rule.MATCH),
+    "s1-rejection-topk-topp": (DecodeKnobs(steps=1, draft_len=4), 0.7, 5, 0.9, Rule.REJECTION),
+}
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("gof"), vocab=V, seed=2, hidden=32, heads=2, kv_heads=1,
+                          intermediate=64, init_std=0.5)
+
+
+def exact_law(target_dir, temperature, top_k, top_p) -> torch.Tensor:
+    """P(x2, x3, x4) [V, V, V] after PROMPT (x1 summed out), from plain transformers logits."""
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=4)))  # [V^4, 4] all continuations
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = hf(ids).logits[:, len(PROMPT) - 1 : -1].float()  # [V^4, 4, V] predicting x1..x4
+    n = logits.shape[0] * 4
+    probs = probabilities(logits.reshape(n, V), torch.full((n,), temperature),
+                          torch.full((n,), top_k) if top_k else None,
+                          torch.full((n,), top_p) if top_p < 1 else None).view(-1, 4, V)
+    p_seq = probs.gather(2, seqs[..., None]).squeeze(-1).prod(1)  # [V^4]
+    return p_seq.view(V, V, V, V).sum(0)
+
+
+def chi2_pvalue(samples: list[tuple[int, int, int]], law: torch.Tensor) -> float:
+    counts = torch.zeros(V, V, V)
+    for s in samples:
+        counts[s] += 1
+    expected = law.flatten() * len(samples)
+    observed = counts.flatten()
+    big = expected >= 5
+    f_exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    f_obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    return float(chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue)
+
+
+def test_every_exact_configuration_samples_the_target(pair):
+    target, drafter = pair
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32))
+    names = list(CONFIGS)
+    pending = [(f"{names[i % len(names)]}/{i}", i) for i in range(N * len(names))]
+    rules_seen = {name: set() for name in names}
+    accepted = {name: 0 for name in names}
+    outs: dict[str, list[int]] = {}
+    while pending or engine.has_unfinished():
+        while pending and len(engine.waiting) + len(engine.running) < engine.config.max_batch:
+            rid, seed = pending.pop()
+            knobs, temp, top_k, top_p, _ = CONFIGS[rid.split("/")[0]]
+            engine.add_request(rid, PROMPT, SamplingParams(max_tokens=6, temperature=temp, top_k=top_k, top_p=top_p,
+                                                           seed=seed, ignore_eos=True), knobs)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            name = o.request_id.split("/")[0]
+            if o.stats["target_passes"] > 1:
+                rules_seen[name].add(o.stats["rules_used"])
+            if o.finished:
+                accepted[name] += o.stats["accepted"]
+    for name, (knobs, temp, top_k, top_p, rule) in CONFIGS.items():
+        samples = [tuple(toks[1:4]) for rid, toks in outs.items() if rid.startswith(name + "/")]
+        assert len(samples) == N
+        p = chi2_pvalue(samples, exact_law(target, temp, top_k, top_p))
+        assert p > 1e-3, f"{name}: the sampled law departs from the target's (chi-square p = {p:.2e})"
+        if rule is not None:
+            assert rules_seen[name] == {rule.name}
+            assert accepted[name] > N // 4, f"{name}: too few accepted drafts to exercise verification"
+
+
+def test_goodness_of_fit_test_detects_a_wrong_law(pair):
+    """The test above has power: the same samples fail against a different temperature's law."""
+    target, drafter = pair
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32))
+    for i in range(N):
+        engine.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True),
+                           DecodeKnobs(steps=1, draft_len=4))
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    samples = [tuple(t[1:4]) for t in outs.values()]
+    assert chi2_pvalue(samples, exact_law(target, 1.0, 0, 1.0)) > 1e-3
+    assert chi2_pvalue(samples, exact_law(target, 0.8, 0, 1.0)) < 1e-6
+
+
+def run_all(engine, adds, join_after=None):
+    outs, steps = {}, 0
+    join_after = join_after or {}
+    while adds or engine.has_unfinished():
+        for a in [a for a in adds if join_after.get(a[0], 0) <= steps]:
+            engine.add_request(*a)
+            adds.remove(a)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                outs[o.request_id + ":stats"] = o.stats
+        steps += 1
+    return outs
+
+
+def test_seeded_requests_reproduce_regardless_of_batch(pair):
+    target, drafter = pair
+    cfg = EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=64)
+    mine = ("x", [1, 2, 3], SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True),
+            DecodeKnobs(steps=2, draft_len=6, commit_order="left-to-right"))
+    alone = run_all(Engine(cfg), [mine])["x"]
+    again = run_all(Engine(cfg), [mine])["x"]
+    others = [(f"o{i}", [4, i % V], SamplingParams(max_tokens=20 + i, temperature=0.5 + 0.1 * i, seed=100 + i,
+                                                    ignore_eos=True), DecodeKnobs(steps=1 + i % 3, draft_len=i % 5))
+              for i in range(5)]
+    crowd = run_all(Engine(cfg), others + [mine], join_after={"x": 2, "o3": 4})["x"]
+    assert alone == again == crowd
+
+
+def test_lenient_rule_reports_bounded_tvd(pair):
+    target, drafter = pair
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=64))
+    adds = [(f"t{i}", PROMPT, SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True),
+             DecodeKnobs(steps=1, draft_len=4, quality="tvd=0.1")) for i in range(4)]
+    adds.append(("exact", PROMPT, SamplingParams(max_tokens=40, temperature=1.0, seed=9, ignore_eos=True),
+                 DecodeKnobs(steps=1, draft_len=4)))
+    outs = run_all(engine, adds)
+    for i in range(4):
+        st = outs[f"t{i}:stats"]
+        assert st["rules_used"] == "EPS_TVD"
+        assert 0.0 < st["tvd_spent"] <= 0.1 * (st["accepted"] + st["target_passes"]) + 1e-6
+    assert outs["exact:stats"]["tvd_spent"] == 0.0

@@ -1,0 +1,249 @@
+"""Policies: registry, the greedy prefix scheduler, promises (exact rules for lossless rows, TVD
+budgets, non-anticipation), SLA weighting, and every policy running inside the real engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import policies
+from adapt.controller import build_policy, reload
+from adapt.policy_file import PolicyFile
+from adapt.targets import RequestTargets
+from kernels.rules import EXACT_RULES, Rule
+from policies.greedy import greedy_prefix
+from workers.decisions import DraftFeatures, RowState, StepOutcome, exact_rules
+from workers.request import DecodeKnobs
+
+BASE = ("adaptive", "batch-schedule", "dspark", "static")
+
+
+def make_rows(B, K=8, quality=None, targets=None, temperature=None, tvd_spent=None, ids=None):
+    quality = quality or ["lossless"] * B
+    temp = torch.tensor(temperature if temperature is not None else [0.8] * B, dtype=torch.float32)
+    return RowState(request_ids=ids or [f"r{i}" for i in range(B)],
+                    knobs=[DecodeKnobs(draft_len=K, quality=q) for q in quality],
+                    targets=targets or [RequestTargets(quality=q) for q in quality],
+                    position=torch.full((B,), 64), generated=torch.full((B,), 10), temperature=temp,
+                    recent_accept=torch.full((B,), 0.5),
+                    tvd_spent=torch.tensor(tvd_spent if tvd_spent is not None else [0.0] * B),
+                    remaining=torch.full((B,), 100), batch_size=B, block_size=K)
+
+
+def make_draft(rows, steps, conf):
+    B, K = conf.shape
+    cond = (steps <= 1) | torch.zeros(B, dtype=torch.bool)
+    return DraftFeatures(steps, conf, torch.rand(B, K), conf / 2, exact_rules(rows.temperature, cond), cond)
+
+
+def test_registry():
+    assert set(BASE) <= set(policies.names())
+    for name in policies.names():
+        p = policies.get(name)
+        assert p.name == name and hasattr(p, "choose_steps") and hasattr(p, "observe")
+    with pytest.raises(ValueError, match="unknown policy"):
+        policies.get("nope")
+    with pytest.raises(ValueError, match="bad settings"):
+        policies.get("static", wings=2)
+    with pytest.raises(ValueError, match="draft_len"):
+        policies.get("static", draft_len=-1)
+    with pytest.raises(ValueError, match="steps_grid"):
+        policies.get("adaptive", steps_grid=(0,))
+
+
+def test_greedy_prefix_admits_prefixes_by_value():
+    values = torch.tensor([[0.9, 0.8, 0.1, 0.05], [0.95, 0.2, 0.1, 0.0]])
+    flat = lambda n: torch.ones_like(n, dtype=torch.float32)  # noqa: E731  verification is free
+    k, _ = greedy_prefix(values, 2.0, 2, flat, "argmax")
+    assert k.tolist() == [4, 3]  # every slot worth anything (the zero slot is not admitted)
+    steep = lambda n: 1.0 + 0.5 * n.float()  # noqa: E731  each token costs half a base step
+    k, theta = greedy_prefix(values, 2.0, 2, steep, "argmax")
+    assert k.tolist() == [0, 0] or k.tolist()[0] >= k.tolist()[1]
+    # moderate cost: only high-survival slots
+    k, _ = greedy_prefix(values, 2.0, 2, lambda n: 1.0 + 0.1 * n.float(), "argmax")
+    assert k.tolist() == [2, 1]
+    # a row whose values rise after a dip still gets a prefix (survival is made monotone)
+    k, _ = greedy_prefix(torch.tensor([[0.9, 0.1, 0.9]]), 1.0, 1, flat, "first_drop")
+    assert k.tolist() == [3] or k.tolist()[0] <= 3
+
+
+def test_lossless_rows_get_exact_rules_and_eps_rows_stay_in_budget():
+    B, K = 8, 8
+    quality = ["lossless", "tvd=0.2"] * 4
+    targets = [RequestTargets(quality=q, tvd_budget_total=(0.3 if q != "lossless" else None)) for q in quality]
+    spent = [0.0, 0.0, 0.0, 0.25, 0.0, 0.3, 0.0, 0.1]
+    rows = make_rows(B, K, quality, targets, temperature=[0.8] * 4 + [0.0, 0.8, 0.8, 0.8], tvd_spent=spent)
+    conf = torch.rand(B, K, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5
+    for name in policies.names():
+        p = policies.get(name)
+        steps = p.choose_steps(rows)
+        draft = make_draft(rows, torch.where(steps > 0, 1, 0), conf)
+        d = p.choose_verify(rows, draft)
+        for i in range(B):
+            if quality[i] == "lossless" or rows.temperature[i] == 0:
+                assert int(d.rule[i]) in EXACT_RULES, (name, i)
+            if int(d.rule[i]) == Rule.EPS_TVD:
+                eps = float(d.param[i])
+                assert 0 < eps <= 0.2 + 1e-6
+                left = 0.3 - spent[i]
+                assert eps * int(d.draft_len[i]) <= left + 1e-6, (name, i)  # worst case stays in budget
+        assert int(d.rule[5]) != Rule.EPS_TVD  # budget spent
+        assert (d.draft_len <= K).all() and (d.draft_len >= 0).all()
+
+
+def test_dspark_and_adaptive_verify_more_where_confidence_is_high():
+    B, K = 4, 8
+    rows = make_rows(B, K)
+    conf = torch.tensor([[0.99] * K, [0.9] * K, [0.5] * K, [0.1] * K])
+    pf = PolicyFile()
+    pf.cost = __import__("adapt.cost_model", fromlist=["CostModel"]).CostModel(
+        __import__("adapt.cost_model", fromlist=["Table"]).Table([1, 8, 64], [5.0, 8.0, 40.0]),
+        __import__("adapt.cost_model", fromlist=["Table"]).Table([1, 64], [1.0, 4.0]))
+    for name in ("dspark", "adaptive"):
+        p = build_policy(name, pf, **({"flat_share": 0.0} if name == "adaptive" else {}))
+        steps = p.choose_steps(rows)
+        d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+        k = d.draft_len.tolist()
+        assert k == sorted(k, reverse=True) and k[0] > k[3], (name, k)
+
+
+def test_adaptive_favours_rows_behind_their_target():
+    B, K = 2, 8
+    targets = [RequestTargets(tpot_ms=5.0), RequestTargets(tpot_ms=500.0)]
+    rows = make_rows(B, K, targets=targets)
+    from adapt.cost_model import CostModel, Table
+
+    cost = CostModel(Table([1, 8, 64], [5.0, 6.0, 30.0]), Table([1, 64], [1.0, 4.0]))
+    p = policies.get("adaptive", cost=cost, flat_share=0.0)
+    conf = torch.full((B, K), 0.7)
+    for _ in range(3):  # both rows get 10 ms per token: row 0 is 2x late, row 1 early
+        p.choose_steps(rows)
+        p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+        p.observe(rows, StepOutcome(torch.tensor([0, 0]), torch.tensor([4, 4]), torch.zeros(2), 0.010, 10))
+    p.choose_steps(rows)
+    ctx = p._ctx(rows, "cpu")
+    w = p.weights(ctx)
+    assert w[0] > w[1] == 1.0
+    d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+    assert d.draft_len[0] >= d.draft_len[1]
+
+
+def test_adaptive_non_anticipating_rows_read_only_earlier_positions():
+    """Sampled lossless rows after left-to-right s > 1 drafting: k at position j must not change
+    when features of positions > j change (the threshold is fixed before drafting)."""
+    B, K = 3, 8
+    rows = RowState(request_ids=["a", "b", "c"],
+                    knobs=[DecodeKnobs(draft_len=K, commit_order="left-to-right") for _ in range(B)],
+                    targets=[None] * B, position=torch.full((B,), 10), generated=torch.full((B,), 5),
+                    temperature=torch.full((B,), 0.9), recent_accept=torch.full((B,), 0.6),
+                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=K)
+    p = policies.get("adaptive", steps_grid=(1, 2), flat_share=0.0)
+    p.threshold = torch.tensor(0.3)
+    steps = torch.full((B,), 2)
+    cond = torch.ones(B, dtype=torch.bool)
+    conf = torch.linspace(0.95, 0.3, K).expand(B, K).clone()
+    p.choose_steps(rows)
+    d1 = p.choose_verify(rows, DraftFeatures(steps, conf, torch.zeros(B, K), conf / 2,
+                                             exact_rules(rows.temperature, cond), cond))
+    assert (d1.rule == Rule.REJECTION).all()
+    k = int(d1.draft_len[0])
+    assert 0 < k < K
+    for value in (0.999, 0.01):
+        conf2 = conf.clone()
+        conf2[:, k + 1:] = value  # positions after the first unverified one: no say in the decision
+        p.threshold = torch.tensor(0.3)  # λ is fixed before drafting (the last step set it)
+        d2 = p.choose_verify(rows, DraftFeatures(steps, conf2, torch.zeros(B, K), conf2 / 2,
+                                                 exact_rules(rows.temperature, cond), cond))
+        assert d2.draft_len.tolist() == d1.draft_len.tolist()
+    conf3 = conf.clone()
+    conf3[:, k:] = 0.01  # lowering the first unverified position keeps every verified one verified
+    p.threshold = torch.tensor(0.3)
+    d3 = p.choose_verify(rows, DraftFeatures(steps, conf3, torch.zeros(B, K), conf3 / 2,
+                                             exact_rules(rows.temperature, cond), cond))
+    assert d3.draft_len.tolist() == d1.draft_len.tolist()
+
+
+def test_batch_schedule_follows_the_batch_size():
+    p = policies.get("batch-schedule", schedule={1: 8, 4: 4, 16: 1})
+    for B, want in ((1, 8), (3, 8), (4, 4), (20, 1)):
+        rows = make_rows(B)
+        p.choose_steps(rows)
+        d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), torch.rand(B, 8)))
+        assert d.draft_len.tolist() == [want] * B
+    with pytest.raises(ValueError, match="schedule"):
+        policies.get("batch-schedule", schedule={4: 2})
+
+
+def test_hot_reload_swaps_predictor_and_settings():
+    p = build_policy("adaptive")
+    pf = PolicyFile(settings={"sla_weight": 5.0, "steps_grid": [1, 3]})
+    version = reload(p, pf)
+    assert p.sla_weight == 5.0 and p.steps_grid == (1, 3) and p.predictor is pf.predictor and version == ""
+    with pytest.raises(ValueError, match="not a setting"):
+        p.update(colour=1)
+
+
+# -- in the real engine ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from tests.tiny_models import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), block_size=8, train_steps=30)
+
+
+def _serve(pair, decisions, requests, trace=None):
+    from workers.engine import Engine, EngineConfig
+    from workers.request import SamplingParams
+
+    engine = Engine(EngineConfig(target=pair[0], drafter=pair[1], device="cpu", dtype="float32", max_batch=8,
+                                 max_len=128), decisions=decisions, trace_sink=trace)
+    outs: dict[str, list[int]] = {}
+    for rid, prompt, temp, quality, targets in requests:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=temp, seed=7, ignore_eos=True),
+                           DecodeKnobs(draft_len=8, quality=quality), targets=targets)
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o.stats
+    return outs, final
+
+
+def test_every_policy_runs_in_the_engine_and_keeps_its_promises(pair):
+    from workers.engine import Engine, EngineConfig
+    from workers.request import SamplingParams
+    from workers.traces import ListTraceSink
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 500, (6,), generator=g).tolist() for _ in range(6)]
+    quality = ["lossless", "tvd=0.2", "lossless", "tvd=0.2", "lossless", "lossless"]
+    temps = [0.0, 0.8, 0.8, 0.8, 0.0, 0.0]
+    budget = [None, 0.5, None, 0.5, None, None]
+    requests = [(f"r{i}", prompts[i], temps[i], quality[i],
+                 RequestTargets(tpot_ms=50, quality=quality[i], tvd_budget_total=budget[i])) for i in range(6)]
+    # reference: the target alone, greedy (autoregressive: no drafter)
+    ref_engine = Engine(EngineConfig(target=pair[0], drafter=None, device="cpu", dtype="float32", max_batch=8,
+                                     max_len=128))
+    reference = {}
+    for rid, prompt, temp, q, _ in requests:
+        if temp == 0:
+            ref_engine.add_request(rid, prompt, SamplingParams(max_tokens=24, ignore_eos=True), DecodeKnobs(draft_len=0))
+    while ref_engine.has_unfinished():
+        for o in ref_engine.step():
+            reference.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for name in BASE + ("explore",):
+        sink = ListTraceSink()
+        outs, stats = _serve(pair, build_policy(name), requests, sink)
+        assert all(len(v) == 24 for v in outs.values()), name
+        for rid in reference:  # lossless greedy rows: token for token the target's own greedy output
+            assert outs[rid] == reference[rid], (name, rid)
+        for rec in sink.records:
+            i = int(rec["request_id"][1:])
+            if quality[i] == "lossless":
+                assert rec["rule"] in EXACT_RULES, (name, rec)
+            elif rec["rule"] == Rule.EPS_TVD:
+                assert rec["param"] <= 0.2 + 1e-6
+        for i in (1, 3):
+            assert stats[f"r{i}"]["tvd_spent"] <= 0.5 + 1e-5, (name, stats[f"r{i}"])
