@@ -60,64 +60,76 @@ def positions_reference(
     draft_probs,                # [N, V] f32 or None
     exp_noise: torch.Tensor,    # [R, V] f32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-target-row decisions: (accept [R] bool, token [R] int64, tvd [R] f32)."""
+    """Per-target-row decisions: (accept [R] bool, token [R] int64, tvd [R] f32).
+
+    Rows are processed in groups of one rule (draft and bonus rows together); a group that is
+    the whole batch reads p and the noise in place, without copies. In the rules' formulas a
+    bonus row is a draft row with q = 0 and no draft: every residual is then p itself, so the
+    race returns the bonus sample, and its accept flag and TVD are masked out.
+    """
     num_rows = target_probs.shape[0]
     device = target_probs.device
     accept = torch.zeros(num_rows, dtype=torch.bool, device=device)
     token = torch.zeros(num_rows, dtype=torch.int64, device=device)
     tvd = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    is_bonus = draft_idx < 0
-    greedy = rule == Rule.GREEDY
-
-    # Bonus positions: argmax p on greedy rows, an exact sample of p elsewhere.
-    for group, sample in ((is_bonus & greedy, False), (is_bonus & ~greedy, True)):
-        rows = group.nonzero().squeeze(-1)
-        if rows.numel():
-            p = target_probs.index_select(0, rows)
-            token[rows] = race(p, exp_noise.index_select(0, rows))[0] if sample else p.argmax(-1)
+    is_draft = draft_idx >= 0                                            # [R]
+    u_all = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    u_all[is_draft] = uniforms
 
     for rid in Rule:
-        rows = ((rule == rid) & ~is_bonus).nonzero().squeeze(-1)       # [n] target rows
+        in_group = rule == rid
+        rows = in_group.nonzero().squeeze(-1)                            # [n] target rows
         if rows.numel() == 0:
             continue
-        t = draft_idx.index_select(0, rows)                              # [n] draft positions
-        x = tok.index_select(0, rows)[:, None]                           # [n, 1]
-        p = target_probs.index_select(0, rows)                           # [n, V]
-        e = exp_noise.index_select(0, rows)                              # [n, V]
-        px = p.gather(1, x).squeeze(1)                                   # [n]
-        a, y, d = _decide(rid, p, e, x, px, t, param.index_select(0, rows),
-                          param2.index_select(0, rows), uniforms, draft_probs)
-        accept[rows] = a
-        token[rows] = y
-        if d is not None:
-            tvd[rows] = d
+        whole = rows.numel() == num_rows
+
+        def take(t):
+            return t if whole else t.index_select(0, rows)
+
+        draft = take(is_draft)                                           # [n]
+        x = take(tok).clamp_min(0)[:, None]                              # [n, 1]
+        p = take(target_probs)                                           # [n, V]
+        e = None if rid == Rule.GREEDY else take(exp_noise)              # [n, V]
+        q = None
+        if draft_probs is not None and rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA,
+                                               Rule.SGLANG, Rule.TYPICAL):
+            q = torch.zeros_like(p)                                      # [n, V], 0 at bonus rows
+            q[draft] = draft_probs if whole else draft_probs.index_select(0, take(draft_idx)[draft])
+        a, y, d = _decide(rid, p, q, e, x, draft, take(u_all), take(param), take(param2))
+        a = a & draft
+        if whole:
+            accept, token = a, y
+            if d is not None:
+                tvd = torch.where(draft, d, 0.0).to(torch.float32)
+        else:
+            accept[rows] = a
+            token[rows] = y
+            if d is not None:
+                tvd[rows] = torch.where(draft, d, 0.0).to(torch.float32)
     return accept, token, tvd
 
 
-def _decide(rid, p, e, x, px, t, prm, prm2, uniforms, draft_probs):
-    """(accept [n], token [n], tvd [n] or None) for n draft positions sharing rule `rid`."""
+def _decide(rid, p, q, e, x, draft, u, prm, prm2):
+    """(accept [n], token [n], tvd [n] or None) for n target rows sharing rule `rid`."""
+    px = p.gather(1, x).squeeze(1)                                       # [n]
     if rid == Rule.GREEDY:
         y = p.argmax(-1)
         return y == x.squeeze(1), y, None
     if rid == Rule.MATCH:
         y = race(p, e)[0]
         return y == x.squeeze(1), y, None
-    u = uniforms.index_select(0, t)                                      # [n]
     if rid == Rule.TYPICAL:
         plogp = torch.where(p > 0, p * torch.log(p), torch.zeros((), device=p.device))
         entropy = -plogp.sum(-1)                                         # [n]
         thr = torch.minimum(prm, prm2 * torch.exp(-entropy))
         acc = px > thr
-        if draft_probs is None:                                          # TVD given the drafted token
+        if q is None:                                                    # TVD given the drafted token
             d = torch.where(acc, 1.0 - px, torch.zeros_like(px))
         else:
-            q = draft_probs.index_select(0, t)
             qa = torch.where(p > thr[:, None], q, torch.zeros((), device=p.device))
             mass = qa.sum(-1, keepdim=True)                              # [n, 1] accepted mass
             d = 0.5 * (qa - mass * p).abs().sum(-1)
         return acc, race(p, e)[0], d
-    all_drafts = t.numel() == draft_probs.shape[0]                      # then t = 0..N-1 in order
-    q = draft_probs if all_drafts else draft_probs.index_select(0, t)   # [n, V]
     qx = q.gather(1, x).squeeze(1)
     if rid == Rule.REJECTION:
         acc = u * qx < px                                               # P = min(1, p/q) for u ~ U[0, 1)
@@ -137,7 +149,7 @@ def _decide(rid, p, e, x, px, t, prm, prm2, uniforms, draft_probs):
     if rid == Rule.SGLANG:
         t_acc, t_single = prm, prm2
         acc = (px >= t_single) | (u * t_acc < px)
-        w = p.scatter(1, x, 0.0)                                         # p without the draft
+        w = p.scatter(1, x, torch.where(draft, 0.0, px)[:, None])        # p without the draft
         y = _race_or_target(w, p, e)
         # Output law: q(v) a(v) + p(v) (C - c(v)), c(v) = q(v) (1 - a(v)) / (1 - p(v)), C = sum c.
         one = torch.ones((), device=p.device)

@@ -26,14 +26,27 @@ import time
 
 import torch
 
+from kernels.rules import Rule
 from policies.common import RequestBook
 from policies.defaults import ConfidenceSurvival, LinearCost
 
 
-def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: torch.Tensor, param2: torch.Tensor | None = None):
-    """Build the engine's `VerifyDecision` (imported lazily: the engine package is heavier)."""
+def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: torch.Tensor, rows,
+                         param2: torch.Tensor | None = None):
+    """Build the engine's `VerifyDecision` (imported lazily: the engine package is heavier).
+
+    ``k`` is capped at ``remaining − 1`` (the engine does the same: the bonus token needs room).
+    Rows that verify nothing (k = 0) get MATCH (sampled) or GREEDY (T = 0): their one token is the
+    target's own sample under every rule, and neither needs the draft probabilities."""
     from workers.decisions import VerifyDecision
 
+    remaining = getattr(rows, "remaining", None)
+    if remaining is not None:
+        draft_len = torch.minimum(draft_len, (remaining.to(draft_len.device) - 1).clamp_min(0))
+    none = draft_len <= 0
+    plain = torch.where(rows.temperature.to(rule.device) > 0, int(Rule.MATCH), int(Rule.GREEDY)).to(rule.dtype)
+    rule = torch.where(none, plain, rule)
+    param = torch.where(none, torch.zeros_like(param), param)
     if param2 is None:
         param2 = torch.zeros_like(param)
     return VerifyDecision(draft_len=draft_len.to(torch.int64), rule=rule.to(torch.int32),

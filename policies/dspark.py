@@ -40,4 +40,4 @@ class DSparkPolicy(Policy):
         a = a * (draft.steps > 0)[:, None]
         draft_ms = self.cost.draft_ms_at(rows_per_pass(draft.steps))
         k, _ = greedy_prefix(a, float(B), B, lambda tokens: self.cost.step_ms(tokens.cpu()).to(dev) + draft_ms, self.stop)
-        return make_verify_decision(k, draft.exact_rule, torch.zeros(B, device=dev))
+        return make_verify_decision(k, draft.exact_rule, torch.zeros(B, device=dev), rows)

@@ -43,4 +43,4 @@ class ExplorePolicy(Policy):
         coin = (torch.rand(B, generator=self.gen) < self.lenient_share).to(dev)
         eps = torch.where(coin & (rows.temperature.to(dev) > 0), eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
-        return make_verify_decision(k, rule, param)
+        return make_verify_decision(k, rule, param, rows)

@@ -47,7 +47,7 @@ def verify_with_rules(rows, draft, ctx, k: torch.Tensor, lenient: bool):
         eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
         eps = torch.where(temp > 0, eps, torch.zeros_like(eps))
     rule, param = rules_from(draft, eps)
-    return make_verify_decision(k, rule, param)
+    return make_verify_decision(k, rule, param, rows)
 
 
 def rules_from(draft, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -189,7 +189,8 @@ def test_hot_reload_swaps_predictor_and_settings():
 def pair(tmp_path_factory):
     from tests.tiny_models import make_tiny_pair
 
-    return make_tiny_pair(tmp_path_factory.mktemp("pair"), block_size=8, train_steps=30)
+    # vocab 16: even an untrained drafter gets a good share of its drafts accepted
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"), vocab=16, block_size=8, seed=3)
 
 
 def _serve(pair, decisions, requests, trace=None):
@@ -217,7 +218,7 @@ def test_every_policy_runs_in_the_engine_and_keeps_its_promises(pair):
     from workers.traces import ListTraceSink
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 500, (6,), generator=g).tolist() for _ in range(6)]
+    prompts = [torch.randint(2, 16, (6,), generator=g).tolist() for _ in range(6)]
     quality = ["lossless", "tvd=0.2", "lossless", "tvd=0.2", "lossless", "lossless"]
     temps = [0.0, 0.8, 0.8, 0.8, 0.0, 0.0]
     budget = [None, 0.5, None, 0.5, None, None]
@@ -239,6 +240,7 @@ def test_every_policy_runs_in_the_engine_and_keeps_its_promises(pair):
         assert all(len(v) == 24 for v in outs.values()), name
         for rid in reference:  # lossless greedy rows: token for token the target's own greedy output
             assert outs[rid] == reference[rid], (name, rid)
+        assert sum(rec["accepted"] for rec in sink.records) > 10, name  # drafts were really accepted
         for rec in sink.records:
             i = int(rec["request_id"][1:])
             if quality[i] == "lossless":

@@ -318,16 +318,23 @@ class Engine:
         k_t = torch.tensor(k_host, device=dev)
         cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         cu[1:] = k_t.cumsum(0)
-        ar = torch.arange(B, device=dev)
-        row_t = torch.repeat_interleave(ar, k_t + 1, output_size=n + B)  # [n + B] row of each target position
-        col_t = torch.arange(n + B, device=dev) - (cu[:-1].long() + ar)[row_t]
-        p_flat = probabilities(logits[row_t, col_t], temp[row_t], None if top_k is None else top_k[row_t],
-                               None if top_p is None else top_p[row_t])  # [n + B, V]
-        is_draft = col_t < k_t[row_t]
-        row_d, col_d = row_t[is_draft] if n else row_t[:0], col_t[is_draft] if n else col_t[:0]
-        draft_flat = drafts[row_d, col_d]  # [n]
         needs_q = any(rr in NEEDS_DRAFT_PROBS for rr, kk in zip(rule_host, k_host) if kk > 0)
-        q_flat = q_full[row_d, col_d] if needs_q else None  # [n, V]
+        if min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
+            logits_flat = logits.reshape(B * Tq, V)
+            draft_flat = drafts[:, :kmax].reshape(-1)  # [n]
+            q_flat = q_full[:, :kmax].reshape(n, V) if needs_q else None  # [n, V]
+            rep = lambda t: None if t is None else t.repeat_interleave(Tq)
+        else:
+            ar = torch.arange(B, device=dev)
+            row_t = torch.repeat_interleave(ar, k_t + 1, output_size=n + B)  # [n + B] row of each target position
+            col_t = torch.arange(n + B, device=dev) - (cu[:-1].long() + ar)[row_t]
+            logits_flat = logits[row_t, col_t]
+            row_d = torch.repeat_interleave(ar, k_t, output_size=n)  # [n] row of each draft (no host sync)
+            col_d = torch.arange(n, device=dev) - cu[:-1].long()[row_d]
+            draft_flat = drafts[row_d, col_d]  # [n]
+            q_flat = q_full[row_d, col_d] if needs_q else None  # [n, V]
+            rep = lambda t: None if t is None else t[row_t]
+        p_flat = probabilities(logits_flat, rep(temp), rep(top_k), rep(top_p))  # [n + B, V]
         uniforms = torch.zeros(n, device=dev)
         noise = self._noise(run, [kk + 1 for kk in k_host], V, ones=True, uniforms=(uniforms, k_host))
         out = verify(draft_flat, cu, p_flat, q_flat, rule, param, param2, uniforms, noise, kmax, check=False)

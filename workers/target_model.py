@@ -151,6 +151,17 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, T, d] for positions [B, T], looked up in a table built once (the same
+        values `rope_cos_sin` computes, without recomputing them every call)."""
+        need = int(self.config.max_position) + 64
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].dtype != dtype or table[0].device != positions.device or table[0].shape[0] < need:
+            pos = torch.arange(need, device=positions.device)
+            table = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+            self._rope_table = table
+        return table[0][positions], table[1][positions]
+
     def new_cache(self, max_batch: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.config
         p = self.model.embed_tokens.weight
@@ -176,7 +187,7 @@ class TargetModel(nn.Module):
         device = input_ids.device
         positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         keys = torch.arange(width, device=device)  # [W]
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, W]
         kvh, d = self.config.num_kv_heads, self.config.head_dim

@@ -69,6 +69,8 @@ def add_parser(subparsers) -> None:
                    help="JSON file with a list of prompt strings (default: windows of the held-out stdlib files)")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per measurement (default: the largest batch size)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
+    p.add_argument("--max-groups", type=int, default=0,
+                   help="at most this many groups per batch size (default: all prompts; 2 = batch 1 runs 2 prompts)")
     p.add_argument("--rows", default=",".join(r for r in ROWS if r != "adapt-target"), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; the median is reported)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
@@ -245,6 +247,9 @@ def run(args) -> int:
                 del runners[name]
                 break
 
+    def prompts_at(b: int) -> list[list[int]]:
+        return prompts[: b * args.max_groups] if args.max_groups > 0 else prompts
+
     samples: dict[tuple[str, int], list] = {}
     order = list(runners)
     load_start = os.getloadavg()[0]
@@ -254,7 +259,7 @@ def run(args) -> int:
             for name in rotated:
                 if (name, b) in pair_skips:
                     continue
-                result = runners[name].generate(prompts, b, max_tokens)
+                result = runners[name].generate(prompts_at(b), b, max_tokens)
                 samples.setdefault((name, b), []).append(result)
                 print(f"[speed] round {rnd + 1}/{rounds} batch {b} {name:<11} "
                       f"{result.tokens / result.seconds:8.1f} tok/s  tau {result.tau or 0:.2f}", flush=True)
@@ -265,7 +270,7 @@ def run(args) -> int:
         for name in ("adapt", "adapt-ar", "adapt-target"):
             if name in runners:
                 for b in batch_sizes:
-                    profiles[(name, b)] = runners[name].generate(prompts, b, max_tokens, profile=True).extra
+                    profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True).extra
     for r in runners.values():
         r.close()
 
@@ -291,7 +296,7 @@ def run(args) -> int:
             "target": str(args.target), "drafter": str(args.drafter), "dtype": str(dtype).removeprefix("torch."),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts], "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
-            "rounds": rounds, "threads": threads, "quick": args.quick, "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS,
+            "rounds": rounds, "threads": threads, "max_groups": args.max_groups, "quick": args.quick, "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS,
             "vllm_speculative_config": VLLM_NGRAM,
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,

@@ -74,13 +74,17 @@ class PhaseProbe:
         self.prefill_s = 0.0
         self._in_decode = False
         self._undo: list = []
+        self.missing: list[str] = []
 
     def _sync(self):
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
     def _wrap(self, obj, name: str, phase: str | None):
-        original = getattr(obj, name)
+        original = getattr(obj, name, None)
+        if original is None:  # the engine changed shape: that phase folds into bookkeeping
+            self.missing.append(f"{type(obj).__name__}.{name}")
+            return
         probe = self
 
         def timed(*args, **kwargs):
@@ -175,7 +179,8 @@ class PhaseProbe:
         ms = {k: 1e3 * v / n for k, v in self.totals.items()}
         ms["bookkeeping"] = max(0.0, 1e3 * self.decode_s / n - sum(v for k, v in ms.items() if k != "bookkeeping"))
         return {"decode_steps": self.decode_steps, "step_ms": 1e3 * self.decode_s / n,
-                "phases_ms": {k: round(v, 4) for k, v in ms.items()}, "prefill_ms_total": 1e3 * self.prefill_s}
+                "phases_ms": {k: round(v, 4) for k, v in ms.items()}, "prefill_ms_total": 1e3 * self.prefill_s,
+                "unprobed": self.missing}
 
 
 class AdaptRunner:

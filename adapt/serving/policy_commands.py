@@ -47,11 +47,9 @@ def add_fit_from_redis_args(fit_parser) -> None:
 def _read_doc(path: str) -> dict:
     from adapt import policy_file
 
-    policy = policy_file.load(path)  # PolicyFileError names the field
+    policy_file.load(path)  # validates; PolicyFileError names the field
     with open(path, encoding="utf-8") as handle:
-        doc = json.load(handle)
-    assert policy.version == doc["version"]
-    return doc
+        return json.load(handle)
 
 
 def _controller(address: str):
@@ -81,6 +79,9 @@ def run_push(args) -> int:
     except (PolicyFileError, ValueError) as exc:
         print(f"policy rejected: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:
+        print(f"no running server reachable ({exc}); start `adapt serve` or pass --redis-url", file=sys.stderr)
+        return 1
     print(json.dumps(out))
     return 0
 

@@ -171,7 +171,9 @@ def train(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    # separate streams: a cached regenerated pool then gives the same run as a fresh one
+    regen_gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + 1)
     target, tokenizer = load_target(args.target)
     ckpt_dir = args.out / "checkpoint"
     ckpt = ckpt_dir / "state.pt"
@@ -182,7 +184,7 @@ def train(args) -> dict:
                            intermediate_size=args.intermediate)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()):,} parameters, "
           f"layers {drafter.config.num_layers}, target layers {drafter.config.target_layer_ids}", flush=True)
-    pool, lo = build_pool(args, target, tokenizer, gen, ckpt_dir)
+    pool, lo = build_pool(args, target, tokenizer, regen_gen, ckpt_dir)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
