@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.rules import Rule
+from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 
 
 def race(weights: torch.Tensor, exp_noise: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +91,10 @@ def positions_reference(
         p = take(target_probs)                                           # [n, V]
         e = None if rid == Rule.GREEDY else take(exp_noise)              # [n, V]
         q = None
-        if draft_probs is not None and rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA,
-                                               Rule.SGLANG, Rule.TYPICAL):
+        if rid in NEEDS_DRAFT_PROBS or (rid == Rule.TYPICAL and draft_probs is not None):
             q = torch.zeros_like(p)                                      # [n, V], 0 at bonus rows
-            q[draft] = draft_probs if whole else draft_probs.index_select(0, take(draft_idx)[draft])
+            if draft_probs is not None:                                  # (None: rows without drafts)
+                q[draft] = draft_probs if whole else draft_probs.index_select(0, take(draft_idx)[draft])
         a, y, d = _decide(rid, p, q, e, x, draft, take(u_all), take(param), take(param2))
         a = a & draft
         if whole:

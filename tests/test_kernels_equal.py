@@ -174,6 +174,13 @@ def test_seeded_rows_do_not_depend_on_batch_companions():
     assert torch.equal(u3, u[8:15]) and torch.equal(e3, e[11:19])
 
 
+def test_q_rules_without_drafts_need_no_q():
+    x, cu, p, q, u, e = make_batch([0, 3, 0], vocab=30, seed=8)
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.SGLANG])
+    out = both(x, cu, p, None, rule, prm, prm2, u, e, 3)
+    assert (out.num_accepted[[0, 2]] == 0).all()
+
+
 def test_zero_rows():
     x, cu, p, q, u, e = make_batch([], vocab=20, seed=2)
     rule, prm, prm2 = rule_tensors([])

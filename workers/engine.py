@@ -38,7 +38,6 @@ from workers.target_model import load_target, resolve_dtype
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "models" / "demo" / "drafter"
-_NEEDS_Q = torch.tensor(sorted(int(r) for r in NEEDS_DRAFT_PROBS))
 
 
 @dataclass
@@ -56,7 +55,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that bring no seed
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Request:
     request_id: str
     prompt: list[int]
@@ -126,7 +125,6 @@ class Engine:
         self.step_count = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
-        self._needs_q = _NEEDS_Q.to(self.device)
 
     # -- requests -----------------------------------------------------------------------
     @property
@@ -293,10 +291,14 @@ class Engine:
         remaining = rows.remaining.to(dev)
         k = torch.minimum(dec.draft_len.to(dev).clamp(min=0), torch.where(steps_d > 0, K, 0))
         k = torch.minimum(k, remaining - 1)
+        # GREEDY exactly for T = 0 rows; REJECTION only where q are true conditionals (MATCH
+        # otherwise); lossless rows: any lossy rule becomes the exact one
         rule = dec.rule.to(dev, torch.int32)
+        rule = torch.where(temp <= 0, int(Rule.GREEDY), torch.where(rule == int(Rule.GREEDY), exact, rule))
+        rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule)
         lossless = torch.tensor([r.knobs.lossless for r in run], device=dev)
-        allowed = (rule == exact) | ((rule == int(Rule.MATCH)) & (temp > 0))
-        forced = lossless & ~allowed
+        is_exact = (rule == int(Rule.GREEDY)) | (rule == int(Rule.REJECTION)) | (rule == int(Rule.MATCH))
+        forced = (lossless & ~is_exact) | (temp <= 0)
         rule = torch.where(forced, exact, rule)
         param = torch.where(forced, 0.0, dec.param.to(dev, torch.float32))
         param2 = torch.where(forced, 0.0, dec.param2.to(dev, torch.float32))

@@ -22,7 +22,6 @@ extras), OUT/policies.png and OUT/policies.md (the table, and adaptive vs the be
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -38,6 +37,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="small run (< 10 min on 2 cores)")
     p.add_argument("--pair", default="auto", choices=("auto", "demo", "tiny"),
                    help="model pair: demo (models/demo), tiny (random tiny pair, drafter trained briefly), auto")
+    p.add_argument("--target", default=None, help="target model directory (overrides --pair)")
+    p.add_argument("--drafter", default=None, help="drafter directory (with --target)")
     p.add_argument("--traces", default=None, help="reuse these traces instead of collecting new ones")
     p.add_argument("--policy-file", default=None, help="reuse this policy file instead of fitting")
     p.add_argument("--no-live", action="store_true", help="replay only")
@@ -172,7 +173,10 @@ def run(args) -> int:
     if not (args.no_live and args.traces):
         from workers.engine import Engine, EngineConfig
 
-        kind, target, drafter = _pair(args.pair, out, args.quick)
+        if args.target:
+            kind, target, drafter = "demo", args.target, args.drafter
+        else:
+            kind, target, drafter = _pair(args.pair, out, args.quick)
         max_c = max(max(cfg["live_loads"]), max(cfg["trace_loads"]))
         engine = Engine(EngineConfig(target=target, drafter=drafter, device="auto", dtype="auto", max_batch=max_c,
                                      max_len=cfg["prompt_len"] + cfg["max_tokens"] + 8))

@@ -12,8 +12,8 @@ Verification rules (all exact, so the output has the target's distribution):
 - temperature > 0 with most-confident-first commits and s > 1: match verification (draw the
   target's own token at every position, accept while equal), exact for any drafter.
 
-The loop recomputes the target over the whole sequence each pass (no KV cache): it is a
-measuring harness for training, not the serving engine (`workers/engine.py`).
+A measuring harness for training (batched, KV-cached, one target forward per pass), not the
+serving engine (`workers/engine.py`).
 """
 
 from __future__ import annotations
@@ -40,25 +40,16 @@ class SpecEvalResult:
         return asdict(self)
 
 
-def _target_forward(target, rows: list[list[int]], layer_ids: list[int], pad_id: int, device):
-    """Left-padded forward over token lists: feats [B, W, n*H], logits [B, W, V], valid [B, W], pos [B, W]."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        valid[i, width - len(r):] = True
-    ids, valid = ids.to(device), valid.to(device)
-    pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    out = target(input_ids=ids, attention_mask=valid.long(), position_ids=pos, output_hidden_states=True)
-    feats = context_features(out.hidden_states, layer_ids).masked_fill(~valid[..., None], 0.0)  # pads: no NaN
-    return feats, out.logits.float(), valid, pos
-
-
 def _race(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Sample from probs [..., V] by the exponential race (argmax of p / Exp(1))."""
     noise = torch.empty(probs.shape).exponential_(1, generator=gen).to(probs.device)
     return (probs / noise).argmax(-1)
+
+
+def _cache_arg(target) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -66,7 +57,13 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
                        steps: int = 1, temperature: float = 0.0, left_to_right: bool = False,
                        block_size: int | None = None, seed: int = 0, autocast: bool = True,
                        pad_id: int = 0) -> tuple[list[list[int]], SpecEvalResult]:
-    """Generate `new_tokens` per prompt by exact speculative decoding; returns outputs and stats."""
+    """Generate `new_tokens` per prompt by exact speculative decoding; returns outputs and stats.
+
+    The target keeps a KV cache that grows by K + 1 entries per pass; rejected drafts stay in it
+    as holes, masked out by the attention mask (`valid`), and positions are passed explicitly, so
+    ragged acceptance needs no re-packing. The drafter's context K/V grows the same way."""
+    from transformers import DynamicCache
+
     K = block_size or drafter.config.block_size
     device = drafter.mask_embedding.device
     gen = torch.Generator().manual_seed(seed)
@@ -75,29 +72,44 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
     acc_count = torch.zeros(K, dtype=torch.long)
     reach_count = torch.zeros(K, dtype=torch.long)
     passes = emitted = 0
+    B = len(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
+    cache, cache_arg = DynamicCache(), _cache_arg(target)
+
+    def forward(tokens, valid, positions):
+        out = target(input_ids=tokens, attention_mask=valid.long(), position_ids=positions, use_cache=True,
+                     output_hidden_states=True, **{cache_arg: cache})
+        feats = context_features(out.hidden_states, ids)
+        return feats, out.logits.float()
+
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        # prefill: the first generated token is the first anchor
-        feats, logits, valid, pos = _target_forward(target, prompts, ids, pad_id, device)
+        # prefill (left-padded); the first generated token is the first anchor
+        width = max(len(p) for p in prompts)
+        tokens = torch.full((B, width), pad_id, dtype=torch.long)
+        valid = torch.zeros(B, width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p):] = torch.tensor(p)
+            valid[i, width - len(p):] = True
+        tokens, valid = tokens.to(device), valid.to(device)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        feats, logits = forward(tokens, valid, positions)
+        ctx_kv = drafter.context_kv(feats.masked_fill(~valid[..., None], 0.0), positions)
         last = logits[:, -1]
-        first = last.argmax(-1) if temperature == 0 else _race(torch.softmax(last / temperature, -1), gen)
-        seqs = [list(p) + [t] for p, t in zip(prompts, first.tolist())]
-        for i, t in enumerate(first.tolist()):
+        anchor = last.argmax(-1) if temperature == 0 else _race(torch.softmax(last / temperature, -1), gen)  # [B]
+        start = valid.sum(-1)                                           # [B] position of the anchor
+        for i, t in enumerate(anchor.tolist()):
             outputs[i].append(t)
-        active = list(range(len(prompts)))
-        while active:
-            B = len(active)
-            anchor = torch.tensor([seqs[i][-1] for i in active], device=device)
-            start = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
-            kv = drafter.context_kv(feats, pos)
+        active = torch.tensor([new_tokens > 1] * B, device=device)
+        idx = torch.arange(K, device=device)
+        while bool(active.any()):
             noise = None
             if temperature > 0:
                 noise = torch.empty(steps, B, K, drafter.config.vocab_size).exponential_(1, generator=gen).to(device)
-            drafts, q = drafter.draft(anchor, start, kv, valid, steps=steps, left_to_right=left_to_right,
+            drafts, q = drafter.draft(anchor, start, ctx_kv, valid, steps=steps, left_to_right=left_to_right,
                                       temperature=temperature, exp_noise=noise, block_size=K)  # [B, K], [B, K, V]
-            rows = [seqs[i] + d for i, d in zip(active, drafts.tolist())]
-            feats, logits, valid, pos = _target_forward(target, rows, ids, pad_id, device)
-            p_logits = logits[:, -K - 1:]  # [B, K + 1, V]: predicts draft 1..K, then the bonus
+            block = torch.cat((anchor[:, None], drafts), 1)                  # [B, K + 1]
+            block_pos = start[:, None] + torch.arange(K + 1, device=device)  # [B, K + 1]
+            feats, p_logits = forward(block, torch.cat((valid, torch.ones_like(block, dtype=torch.bool)), 1), block_pos)
             if rule == "greedy":
                 y = p_logits.argmax(-1)                                 # [B, K + 1]
                 accept = drafts == y[:, :K]
@@ -116,25 +128,22 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
                     y = _race(resid, gen)
             m = accept.long().cumprod(-1).sum(-1)                       # [B] accepted drafts
             out_tok = y.gather(1, m[:, None])[:, 0]                     # correction or bonus
-            idx = torch.arange(K, device=device)
-            reach_count += (m[:, None] >= idx).sum(0).cpu()
-            acc_count += (m[:, None] > idx).sum(0).cpu()
-            passes += B
-            emitted += int(m.sum()) + B
-            keep = []
-            for b, (i, mb, tok, d) in enumerate(zip(active, m.tolist(), out_tok.tolist(), drafts.tolist())):
-                new = d[:mb] + [tok]
-                seqs[i].extend(new)
-                outputs[i].extend(new)
-                if len(outputs[i]) < new_tokens:
-                    keep.append(b)
-            # the next context: this forward's positions up to the last accepted draft
-            anchor_col = valid.shape[1] - K - 1
-            cols = torch.arange(valid.shape[1], device=device)
-            valid = valid & (cols[None] <= anchor_col + m[:, None])
-            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-            feats, valid, pos = feats[keep_t], valid[keep_t], pos[keep_t]
-            active = [active[b] for b in keep]
+            counted = active[:, None]
+            reach_count += ((m[:, None] >= idx) & counted).sum(0).cpu()
+            acc_count += ((m[:, None] > idx) & counted).sum(0).cpu()
+            passes += int(active.sum())
+            emitted += int(((m + 1) * active).sum())
+            # the anchor and the accepted drafts become context; rejected drafts stay as holes
+            new_valid = torch.arange(K + 1, device=device)[None] <= m[:, None]  # [B, K + 1]
+            valid = torch.cat((valid, new_valid), 1)
+            new_kv = drafter.context_kv(feats.masked_fill(~new_valid[..., None], 0.0), block_pos)
+            ctx_kv = [(torch.cat((k, nk), 2), torch.cat((v, nv), 2)) for (k, v), (nk, nv) in zip(ctx_kv, new_kv)]
+            for i, (on, mb, tok, d) in enumerate(zip(active.tolist(), m.tolist(), out_tok.tolist(), drafts.tolist())):
+                if on:
+                    outputs[i].extend(d[:mb] + [tok])
+            active = active & torch.tensor([len(o) < new_tokens for o in outputs], device=device)
+            start = start + m + 1
+            anchor = out_tok
     rates = (acc_count.float() / reach_count.clamp(min=1).float()).tolist()
     result = SpecEvalResult(steps, float(temperature), "left-to-right" if left_to_right else "confidence", rule,
                             emitted / max(1, passes), passes, emitted, [round(r, 4) for r in rates])
@@ -159,3 +168,46 @@ def evaluate_drafter(target, drafter, prompts: list[list[int]], new_tokens: int,
                                     left_to_right=l2r, seed=seed, autocast=autocast, pad_id=pad_id)
         results.append(res.to_dict())
     return results
+
+
+def main(argv=None) -> int:
+    """`python -m workers.training.spec_eval --target DIR --drafter DIR [--out eval.json]`."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from workers.drafter import load_drafter
+    from workers.training.drafter import load_target
+    from workers.training.regenerate import random_windows, resolve_data, token_stream
+
+    p = argparse.ArgumentParser(description="Evaluate a drafter by exact speculative decoding on held-out text.")
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--eval-data", nargs="*", default=None, help="default: the stdlib held-out split")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--fp32", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter, target.config).bind(target.get_input_embeddings(), target.get_output_embeddings())
+    drafter.eval()
+    stream = token_stream(tokenizer, resolve_data(args.eval_data, "heldout"))
+    prompts = random_windows(stream, args.prompts, args.prompt_len, torch.Generator().manual_seed(args.seed + 1)).tolist()
+    results = evaluate_drafter(target, drafter, prompts, args.new_tokens, seed=args.seed, autocast=not args.fp32,
+                               pad_id=tokenizer.pad_token_id or 0)
+    for r in results:
+        print(f"T={r['temperature']:g} s={r['steps']} {r['commit_order']:<13} {r['rule']:<9} tau={r['tau']:.3f} "
+              f"accept={[round(a, 2) for a in r['accept_per_position']]}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"eval": results, "eval_setup": {k: str(v) for k, v in vars(args).items()}}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
