@@ -77,7 +77,8 @@ def test_bench_policies_replay_only(tmp_path):
     traces = tmp_path / "t.jsonl"
     write_jsonl(synthetic_records(num_requests=30, steps_per_request=15, K=8, step_grid=(1, 2), seed=4), traces)
     out = tmp_path / "bench"
-    assert cli_main(["bench", "policies", "--quick", "--no-live", "--traces", str(traces), "--out", str(out)]) == 0
+    assert cli_main(["bench", "policies", "--quick", "--no-live", "--requests", "16", "--traces", str(traces),
+                    "--out", str(out)]) == 0
     rows = json.loads((out / "policies.json").read_text())
     keys = {"policy", "concurrency", "goodput_tok_s", "sla_attainment", "tau", "tvd_spent_per_token",
             "decision_ms_per_step"}

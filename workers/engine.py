@@ -349,12 +349,14 @@ class Engine:
         is_stop = (out.tokens[:, :, None] == stop_tab[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
         first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
         n_emit = torch.minimum(emit, first_stop + 1)
-        jk = torch.arange(K or 1, device=dev)
+        Kc = max(K, 1)  # width of the per-position counters
+        jk = torch.arange(Kc, device=dev)
         self.acc_counts[:B] += (jk[None] < a[:, None]).float()
         self.reach_counts[:B] += ((jk[None] < k[:, None]) & (jk[None] <= a[:, None])).float()
         apos = self.acc_counts[:B] / self.reach_counts[:B].clamp(min=1)
         packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(),
-                  out.tvd_spent[:, None].double(), apos.double(), self.reach_counts[:B].double()]
+                  out.tvd_spent[:, None].double(), apos.double(),
+                  (self.reach_counts[:B] > 0).sum(1, keepdim=True).double()]  # positions ever verified
         tracing = self.trace_sink is not None
         if tracing:
             packed += [conf.double(), ent.double(), margin.double()]
@@ -362,7 +364,6 @@ class Engine:
         now = time.perf_counter()
 
         outputs, done, records = [], [], []
-        step_ms = (now - t0) * 1e3
         for i, (req, row) in enumerate(zip(run, host)):
             ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
             new = list(map(int, row[:ne]))
@@ -374,13 +375,11 @@ class Engine:
             req.tvd += tvd_i
             if kk:
                 req.recent_accept = ai / kk if req.verified == kk else 0.7 * req.recent_accept + 0.3 * ai / kk
-            reached = row[Tq + 3 + K : Tq + 3 + 2 * K]
-            nr = sum(1 for x in reached if x > 0)
-            req.apos = row[Tq + 3 : Tq + 3 + nr]
+            req.apos = row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])]
             req.last_knobs = (s_host[i], kk, rule_host[i])
             req.length += ai + 1
             if tracing:
-                base = Tq + 3 + 2 * K
+                base = Tq + 4 + Kc
                 records.append(self._record(req, i, row[base : base + 3 * K], K, s_host[i], kk, rule_host[i],
                                             p1_host[i], p2_host[i], ai, tvd_i, t0, t_draft, now, B, n + B))
             reason = self._emit(req, new, now)
@@ -414,8 +413,8 @@ class Engine:
         tokens[:, 0] = pick(anchors)
         masked = torch.ones(Bd, K + 1, dtype=torch.bool, device=dev)
         masked[:, 0] = False
-        q_rec = torch.zeros(Bd, K, self.vocab, device=dev)
         s_max = max(s_list)
+        q_rec = None if s_max == 1 else torch.zeros(Bd, K, self.vocab, device=dev)
         greedy = T <= 0
         u = torch.zeros(Bd, s_max, K, device=dev)  # one uniform per (step, position) for sampled rows
         for b, i in enumerate(drows):
@@ -436,7 +435,7 @@ class Engine:
             n_commit = torch.where(s_d > it, (still.sum(1) + left - 1) // left, 0).to(torch.int32)
             commit = select_commit(c, still, n_commit, lr)
             tokens[:, 1:] = torch.where(commit, x, tokens[:, 1:])
-            q_rec = torch.where(commit[..., None], q, q_rec)
+            q_rec = q if s_max == 1 else torch.where(commit[..., None], q, q_rec)
             masked[:, 1:] = still & ~commit
         return tokens[:, 1:], q_rec
 
@@ -517,7 +516,7 @@ class Engine:
         return {
             "tau": gen / max(req.passes, 1), "target_passes": req.passes, "tokens": gen,
             "accepted": req.accepted, "verified": req.verified,
-            "accept_per_position": [round(x, 4) for x in req.apos], "tvd_spent": req.tvd,
+            "accept_per_position": req.apos, "tvd_spent": req.tvd,
             "steps_used": req.last_knobs[0], "draft_len_used": req.last_knobs[1],
             "rules_used": Rule(req.last_knobs[2]).name, "tokens_per_s": gen / wall,
             "prompt_tokens": len(req.prompt),

@@ -267,8 +267,8 @@ class DecoderWorker:
                 item = await stream.queue.get()
                 if item.get("error") and not item.get("token_ids"):
                     err = item["error"]
+                    finished = True  # the engine already dropped the request: nothing to abort
                     yield {"error": err if isinstance(err, dict) else {"message": str(err), "status": 500}}
-                    finished = True
                     return
                 ids = item["token_ids"]
                 if ids and first_time is None:

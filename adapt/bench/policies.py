@@ -43,6 +43,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--policy-file", default=None, help="reuse this policy file instead of fitting")
     p.add_argument("--no-live", action="store_true", help="replay only")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--requests", type=int, default=None, help="override the replay request count per load")
+    p.add_argument("--live-loads", default=None, help="override the live concurrencies, e.g. 1,4")
+    p.add_argument("--trace-requests", type=int, default=None, help="override the requests per trace load")
+    p.add_argument("--max-tokens", type=int, default=None, help="override the tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -166,6 +170,14 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = _settings(args.quick)
+    if args.requests:
+        cfg["replay_requests"] = args.requests
+    if args.live_loads:
+        cfg["live_loads"] = tuple(int(v) for v in args.live_loads.split(","))
+    if args.trace_requests:
+        cfg["trace_requests"] = args.trace_requests
+    if args.max_tokens:
+        cfg["max_tokens"] = args.max_tokens
     t_begin = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}", flush=True)  # noqa: E731
 

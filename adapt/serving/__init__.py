@@ -7,10 +7,14 @@ Modules (each imports Ray, Redis or FastAPI only where it is used, so `import ad
 - `redis_store`: the same interface on Redis (expiring keys, pub/sub, Redis Streams).
 - `trace_sink`: a background `TraceSink` that feeds the trace stream and the worker's counters.
 - `headers`: SLA headers and body fields -> `adapt.targets.RequestTargets`, with 4xx errors.
+- `schemas`: OpenAI request bodies (pydantic).
 - `http_app`: the FastAPI app (OpenAI routes, SSE streaming, /health, /metrics).
-- `metrics`: Prometheus exposition of the workers' counters.
-- `router`: least-loaded choice of a decoder worker.
-- `controller_actor`: the central controller (a Ray actor).
-- `deployment`: Ray Serve deployments for `serve run` / `serve deploy`.
+- `metrics`: the workers' counters and their Prometheus exposition.
+- `worker_plugin`: what serving adds to a decoder worker (`workers.ray_worker`): heartbeats,
+  policy hot reload, traces, SLA verdicts.
+- `router`: least-loaded routing to decoder worker actors.
+- `controller_actor`: the central controller (a Ray actor) and the store client over it.
 - `launcher`: starts Ray, the controller, the workers and the HTTP server (`adapt serve`).
+- `deployment`: Ray Serve deployments for `serve run` / `serve deploy` (deploy/serve_config.yaml).
+- `policy_commands`: `adapt policy push|status` and `adapt policy fit --from-redis`.
 """
