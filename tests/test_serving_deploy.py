@@ -27,7 +27,8 @@ def test_serve_config_is_valid_and_builds_the_app():
     app_cfg = schema.applications[0]
     assert app_cfg.import_path == "adapt.serving.deployment:app_builder"
     decoder = next(d for d in app_cfg.deployments if d.name == "Decoder")
-    assert decoder.ray_actor_options["num_gpus"] == 1 and decoder.autoscaling_config["max_replicas"] >= 2
+    get = lambda obj, key: obj[key] if isinstance(obj, dict) else getattr(obj, key)  # noqa: E731
+    assert get(decoder.ray_actor_options, "num_gpus") == 1 and get(decoder.autoscaling_config, "max_replicas") >= 2
     app = app_builder(raw["applications"][0]["args"])
     assert app is not None
     with pytest.raises(ValueError, match="redis_url"):
