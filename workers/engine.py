@@ -30,6 +30,9 @@ import torch
 from kernels import Rule, verify
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
+
+# rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
+USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 from workers.decisions import DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome, exact_rules
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
@@ -320,7 +323,7 @@ class Engine:
         k_t = torch.tensor(k_host, device=dev)
         cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         cu[1:] = k_t.cumsum(0)
-        needs_q = any(rr in NEEDS_DRAFT_PROBS for rr, kk in zip(rule_host, k_host) if kk > 0)
+        needs_q = any(rr in USES_DRAFT_PROBS for rr, kk in zip(rule_host, k_host) if kk > 0)
         if min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
             logits_flat = logits.reshape(B * Tq, V)
             draft_flat = drafts[:, :kmax].reshape(-1)  # [n]

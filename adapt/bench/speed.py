@@ -253,6 +253,9 @@ def run(args) -> int:
     samples: dict[tuple[str, int], list] = {}
     order = list(runners)
     load_start = os.getloadavg()[0]
+    context = dict(args=args, rows=rows, batch_sizes=batch_sizes, max_tokens=max_tokens, prompts=prompts,
+                   rounds=rounds, threads=threads, dtype=dtype, runners=runners, skipped=skipped,
+                   pair_skips=pair_skips, load_start=load_start)
     for rnd in range(rounds):
         for b in batch_sizes:
             rotated = order[rnd % len(order):] + order[: rnd % len(order)] if order else []
@@ -263,7 +266,8 @@ def run(args) -> int:
                 samples.setdefault((name, b), []).append(result)
                 print(f"[speed] round {rnd + 1}/{rounds} batch {b} {name:<11} "
                       f"{result.tokens / result.seconds:8.1f} tok/s  tau {result.tau or 0:.2f}", flush=True)
-    load_end = os.getloadavg()[0]
+        if rnd + 1 < rounds:  # a run cut short still leaves the rounds it finished
+            write_report(context, samples, {}, rnd + 1, final=False)
 
     profiles = {}
     if not args.no_profile:
@@ -271,13 +275,25 @@ def run(args) -> int:
             if name in runners:
                 for b in batch_sizes:
                     profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True).extra
+    report = write_report(context, samples, profiles, rounds, final=True)
     for r in runners.values():
         r.close()
+    print(markdown(report))
+    print(f"[speed] wrote {args.out / 'speed.json'}, {args.out / 'speed.png'}, {args.out / 'speed.md'}")
+    return 0
 
+
+# -- reporting ----------------------------------------------------------------------------------
+def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, final: bool) -> dict:
+    """Assemble the JSON report from the samples so far; write speed.json, speed.md, speed.png."""
+    import torch
+
+    args, batch_sizes, runners = ctx["args"], ctx["batch_sizes"], ctx["runners"]
+    skipped, pair_skips, max_tokens, prompts = ctx["skipped"], ctx["pair_skips"], ctx["max_tokens"], ctx["prompts"]
     results = []
     for b in batch_sizes:
         ref = samples.get(("hf", b))
-        for name in rows:
+        for name in ctx["rows"]:
             entry = {"row": name, "label": ROWS[name], "batch": b}
             if name in skipped or (name, b) in pair_skips:
                 entry["skipped"] = skipped.get(name) or pair_skips[(name, b)]
@@ -290,19 +306,22 @@ def run(args) -> int:
                     entry["phases_ms"] = p["phases_ms"]
                     entry["decode_steps"] = p["decode_steps"]
             results.append(entry)
+    vllm = [r for r in runners.values() if isinstance(r, VLLMRunner)]
     report = {
         "benchmark": "speed",
+        "complete": final,
         "config": {
-            "target": str(args.target), "drafter": str(args.drafter), "dtype": str(dtype).removeprefix("torch."),
+            "target": str(args.target), "drafter": str(args.drafter), "dtype": str(ctx["dtype"]).removeprefix("torch."),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
-            "prompt_tokens": [len(p) for p in prompts], "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
-            "rounds": rounds, "threads": threads, "max_groups": args.max_groups, "quick": args.quick, "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS,
-            "vllm_speculative_config": VLLM_NGRAM,
+            "prompt_tokens": [len(p) for p in prompts],
+            "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
+            "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
+            "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_speculative_config": VLLM_NGRAM,
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_avg_start": round(load_start, 2), "load_avg_end": round(load_end, 2),
-                    "vllm": next((r.info.get("vllm") for r in runners.values() if isinstance(r, VLLMRunner)), None),
-                    "vllm_ld_preload": next((r.preload for r in runners.values() if isinstance(r, VLLMRunner)), None)},
+                    "load_avg_start": round(ctx["load_start"], 2), "load_avg_end": round(os.getloadavg()[0], 2),
+                    "vllm": vllm[0].info.get("vllm") if vllm else None,
+                    "vllm_ld_preload": vllm[0].preload if vllm else None},
         "phases": list(PhaseProbe.PHASES),
         "results": results,
         "ratios": ratios(results, batch_sizes),
@@ -310,15 +329,11 @@ def run(args) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speed.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (args.out / "speed.md").write_text(table)
+    (args.out / "speed.md").write_text(markdown(report))
     plot(report, args.out / "speed.png")
-    print(table)
-    print(f"[speed] wrote {args.out / 'speed.json'}, {args.out / 'speed.png'}, {args.out / 'speed.md'}")
-    return 0
+    return report
 
 
-# -- reporting ----------------------------------------------------------------------------------
 def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
     """{"adapt/vllm-ngram": {"1": 1.07, "8": 0.9}, ...}: tokens/s of ours over theirs."""
     rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in results}
@@ -337,8 +352,9 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
 def markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [f"Target `{cfg['target']}`, {cfg['dtype']}, {cfg['threads']} thread(s), greedy, "
-             f"{cfg['max_tokens']} new tokens x {cfg['num_prompts']} prompts ({cfg['prompts']}), "
-             f"median of {cfg['rounds']} round(s); load average {report['machine']['load_avg_start']} -> "
+             f"{cfg['max_tokens']} new tokens x {cfg['num_prompts']} prompts ({cfg['prompts']}"
+             f"{', at most %d groups per batch size' % cfg['max_groups'] if cfg.get('max_groups') else ''}), "
+             f"median of {cfg['rounds']} round(s){'' if report.get('complete', True) else ' (run incomplete)'}; load average {report['machine']['load_avg_start']} -> "
              f"{report['machine']['load_avg_end']}.", "",
              "| row | batch | tokens/s | ms/token | τ | vs vLLM | vs vLLM+ngram | agrees with HF |",
              "|---|---|---|---|---|---|---|---|"]
