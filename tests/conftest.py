@@ -8,6 +8,11 @@ free port in a temporary directory, and stops it after the session. Tests that r
 from __future__ import annotations
 
 import os
+
+# Triton decides interpreter mode when a kernel is decorated, so it must be set before anything
+# (torch included) imports triton. No test needs compiled Triton on this CPU-only path; the one
+# test that compiles for a GPU target does so in a subprocess without this variable.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 import shutil
 import socket
 import subprocess

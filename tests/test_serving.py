@@ -314,16 +314,37 @@ def test_policy_push_hot_reloads_and_corrupt_push_is_rejected(stack, redis_serve
                       json={"prompt": "after the bad push", "max_tokens": 4, "temperature": 0}, timeout=60)
     assert resp.status_code == 200 and resp.json()["adapt"]["policy_version"] == version
 
-    # refit from the Redis trace stream (the requests above left plenty) and publish
+    # refit from the Redis trace stream and publish. The adaptive policy rarely drafts with the
+    # barely trained tiny drafter, so log exploration traces first (the `explore` policy drafts
+    # the full block with varied steps), as one would before a refit on a live cluster.
     from adapt.serving.policy_commands import run_fit_from_redis
 
+    explore_path = tmp_path / "explore.json"
+    policy_file.save(policy_file.PolicyFile(policy="explore", settings={}), explore_path)
+    assert run_push(type("Args", (), {"policy": str(explore_path), "redis_url": redis_server.url,
+                                      "ray_address": None})) == 0
+    explore_version = store.policy_version()
+    _wait(lambda: all(v.get("policy_version") == explore_version for v in store.loads().values()), 15,
+          f"both workers on the explore policy {explore_version}")
+
+    def drafted_exact() -> int:
+        return sum(1 for r in store.read_traces()
+                   if r.get("steps", 0) > 0 and r.get("draft_len", 0) > 0 and r.get("rule") in (0, 1, 2))
+
+    for i in range(12):
+        if drafted_exact() >= 30:
+            break
+        resp = httpx.post(stack[1].url + "/v1/completions",
+                          json={"prompt": f"more traces {i}", "max_tokens": 32, "temperature": 0}, timeout=60)
+        assert resp.status_code == 200
+    _wait(lambda: drafted_exact() >= 30, 15, "the trace stream to hold 30 drafted exact-rule records")
     fit_args = type("Args", (), {"from_redis": redis_server.url, "count": None, "push": True,
                                  "out": str(tmp_path / "refit.json")})
     assert run_fit_from_redis(fit_args) == 0
     refit = policy_file.load(tmp_path / "refit.json")
     assert refit.report["source"] == "trace stream" and refit.report["exact_records"] >= 20
     new_version = store.policy_version()
-    assert new_version == bad_version + 1
+    assert new_version == explore_version + 1
     _wait(lambda: all(v.get("policy_version") == new_version for v in store.loads().values()), 15,
           f"both workers on the refitted version {new_version}")
 

@@ -39,8 +39,6 @@ import statistics
 import time
 from pathlib import Path
 
-from adapt.bench.speed_runners import (HF_LOOKUP_TOKENS, VLLM_NGRAM, AdaptRunner, HFRunner, PhaseProbe,
-                                       VLLMRunner, find_vllm_python)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
@@ -133,6 +131,8 @@ def file_prompts(tokenizer, path: Path, count: int) -> list[list[int]]:
 # -- the run ------------------------------------------------------------------------------------
 def build_runners(args, rows, dtype, max_batch, max_len, threads):
     """Runner per row, plus {row: reason} for rows that cannot run here."""
+    from adapt.bench.speed_runners import VLLM_NGRAM, AdaptRunner, HFRunner, VLLMRunner, find_vllm_python
+
     runners, skipped = {}, {}
     target, drafter = args.target.resolve(), args.drafter.resolve()
     for row in ("adapt", "adapt-ar"):
@@ -187,6 +187,8 @@ def summarize(samples: list, reference: list[list[int]] | None, max_tokens: int)
 
 def run(args) -> int:
     import torch
+
+    from adapt.bench.speed_runners import VLLMRunner
 
     from workers.target_model import resolve_dtype
 
@@ -287,6 +289,8 @@ def run(args) -> int:
 def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, final: bool) -> dict:
     """Assemble the JSON report from the samples so far; write speed.json, speed.md, speed.png."""
     import torch
+
+    from adapt.bench.speed_runners import HF_LOOKUP_TOKENS, VLLM_NGRAM, PhaseProbe, VLLMRunner
 
     args, batch_sizes, runners = ctx["args"], ctx["batch_sizes"], ctx["runners"]
     skipped, pair_skips, max_tokens, prompts = ctx["skipped"], ctx["pair_skips"], ctx["max_tokens"], ctx["prompts"]
