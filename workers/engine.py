@@ -342,6 +342,8 @@ class Engine:
         p_flat = probabilities(logits_flat, rep(temp), rep(top_k), rep(top_p))  # [n + B, V]
         uniforms = torch.zeros(n, device=dev)
         noise = self._noise(run, [kk + 1 for kk in k_host], V, ones=True, uniforms=(uniforms, k_host))
+        if q_flat is not None:
+            q_flat = q_flat.contiguous()  # the kernels read rows by pointer; a no-op when already contiguous
         out = verify(draft_flat, cu, p_flat, q_flat, rule, param, param2, uniforms, noise, kmax, check=False)
 
         # (5) commit, stop conditions, stats: all on device, then one host sync
