@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from adapt.commands import optional_module
 
 # subcommand name -> module under adapt.commands (each has add_parser(subparsers) and run(args))
 COMMANDS = {
@@ -23,13 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMANDS.values():
-        try:
-            module = importlib.import_module(f"adapt.commands.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"adapt.commands.{module_name}":
-                continue  # subcommand not built in this checkout
-            raise
-        module.add_parser(sub)
+        module = optional_module(f"adapt.commands.{module_name}")
+        if module is not None:  # None: subcommand not built in this checkout
+            module.add_parser(sub)
     return parser
 
 

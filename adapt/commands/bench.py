@@ -5,7 +5,7 @@ Each benchmark module defines `add_parser(subparsers)` (which sets `run`) and wr
 
 from __future__ import annotations
 
-import importlib
+from adapt.commands import optional_module
 
 BENCHMARKS = ("speed", "policies", "kernels")
 
@@ -14,10 +14,6 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="run a benchmark (writes JSON and a plot)")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name in BENCHMARKS:
-        try:
-            module = importlib.import_module(f"adapt.bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"adapt.bench.{name}":
-                continue
-            raise
-        module.add_parser(sub)
+        module = optional_module(f"adapt.bench.{name}")
+        if module is not None:
+            module.add_parser(sub)

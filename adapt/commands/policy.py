@@ -15,10 +15,11 @@ a Redis trace stream: pass the records).
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from typing import Callable, Iterable
+
+from adapt.commands import optional_module
 
 SUBCOMMANDS: dict[str, Callable] = {}
 EXTENSIONS = ("push", "redis", "serve")  # optional modules adapt.commands.policy_<name>
@@ -111,12 +112,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("policy", help="fit, inspect and publish decoding policies")
     sub = parser.add_subparsers(dest="policy_command", required=True)
     for name in EXTENSIONS:
-        try:
-            module = importlib.import_module(f"adapt.commands.policy_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"adapt.commands.policy_{name}":
-                continue
-            raise
+        module = optional_module(f"adapt.commands.policy_{name}")
+        if module is None:
+            continue
         if name not in SUBCOMMANDS and hasattr(module, "add_parser"):
             SUBCOMMANDS[name] = module.add_parser
     for add in SUBCOMMANDS.values():
