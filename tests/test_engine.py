@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kernels import Rule
-from tests.tiny_models import make_tiny_pair, single_thread
+from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
 from workers.decisions import StaticDecisions, VerifyDecision
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
@@ -57,22 +57,6 @@ def knob_matrix():
     return knobs
 
 
-def run_to_completion(engine, pending=(), join_after=2):
-    """Step until done; `pending` (request_id, prompt, params, knobs) join after `join_after` steps."""
-    outs, pending, steps = {}, list(pending), 0
-    while engine.has_unfinished() or pending:
-        if steps == join_after:
-            for args in pending:
-                engine.add_request(*args)
-            pending = []
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                outs[o.request_id + ":stats"] = o.stats
-        steps += 1
-    return outs
-
-
 def test_greedy_matrix_matches_transformers(pair):
     target, drafter = pair
     knobs = knob_matrix()
@@ -86,7 +70,7 @@ def test_greedy_matrix_matches_transformers(pair):
     for i in range(half):
         engine.add_request(f"r{i}", prompts[i], params, knobs[i])
     late = [(f"r{i}", prompts[i], params, knobs[i]) for i in range(half, len(knobs))]
-    outs = run_to_completion(engine, late, join_after=3)
+    outs = run_to_completion(engine, late, join_after={a[0]: 3 for a in late})
     expected = greedy_reference(target, prompts, MAX_TOKENS)
     for i, kn in enumerate(knobs):
         assert outs[f"r{i}"] == expected[i], f"row {i} with {kn} diverged from the target's greedy decoding"
@@ -122,7 +106,7 @@ def test_knobs_changing_every_step_stay_exact(tmp_path):
     engine.add_request("a", prompts[0], params, DecodeKnobs())
     engine.add_request("b", prompts[1], params, DecodeKnobs(commit_order="left-to-right"))
     late = [("c", prompts[2], params, DecodeKnobs()), ("d", prompts[3], params, DecodeKnobs(draft_len=0))]
-    outs = run_to_completion(engine, late, join_after=1)
+    outs = run_to_completion(engine, late, join_after={a[0]: 1 for a in late})
     expected = greedy_reference(target, prompts, 30)
     for rid, exp in zip("abcd", expected):
         assert outs[rid] == exp

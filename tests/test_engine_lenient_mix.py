@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import make_tiny_pair, single_thread
+from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -23,18 +23,15 @@ def pair(tmp_path_factory):
 def test_lenient_rows_with_partial_draft_lengths(pair, draft_lens):
     target, drafter = pair
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=4, max_len=128))
+    adds = []
     for i, k in enumerate(draft_lens):
         knobs = DecodeKnobs(steps=1 + i % 2, draft_len=k, quality="tvd=0.2" if i != 1 else "lossless",
                             commit_order="left-to-right")
-        engine.add_request(f"r{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=12, temperature=0.9, seed=i),
-                           knobs)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        adds.append((f"r{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=12, temperature=0.9, seed=i), knobs))
+    outs = run_to_completion(engine, adds)
+    done = {rid[: -len(":stats")]: stats for rid, stats in outs.items() if rid.endswith(":stats")}
     assert sorted(done) == ["r0", "r1", "r2"]
-    for rid, out in done.items():
-        assert out.stats["tokens"] == 12
+    for rid, stats in done.items():
+        assert stats["tokens"] == 12
         budget = 0.0 if rid == "r1" else 0.2
-        assert out.stats["tvd_spent"] <= budget * out.stats["tokens"] + 1e-6
+        assert stats["tvd_spent"] <= budget * stats["tokens"] + 1e-6

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from kernels import Rule
-from tests.tiny_models import make_tiny_pair, single_thread
+from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 from workers.sampling import probabilities
@@ -118,32 +118,17 @@ def test_goodness_of_fit_test_detects_a_wrong_law(pair):
     assert chi2_pvalue(samples, exact_law(target, 0.8, 0, 1.0)) < 1e-6
 
 
-def run_all(engine, adds, join_after=None):
-    outs, steps = {}, 0
-    join_after = join_after or {}
-    while adds or engine.has_unfinished():
-        for a in [a for a in adds if join_after.get(a[0], 0) <= steps]:
-            engine.add_request(*a)
-            adds.remove(a)
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                outs[o.request_id + ":stats"] = o.stats
-        steps += 1
-    return outs
-
-
 def test_seeded_requests_reproduce_regardless_of_batch(pair):
     target, drafter = pair
     cfg = EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=64)
     mine = ("x", [1, 2, 3], SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True),
             DecodeKnobs(steps=2, draft_len=6, commit_order="left-to-right"))
-    alone = run_all(Engine(cfg), [mine])["x"]
-    again = run_all(Engine(cfg), [mine])["x"]
+    alone = run_to_completion(Engine(cfg), [mine])["x"]
+    again = run_to_completion(Engine(cfg), [mine])["x"]
     others = [(f"o{i}", [4, i % V], SamplingParams(max_tokens=20 + i, temperature=0.5 + 0.1 * i, seed=100 + i,
                                                     ignore_eos=True), DecodeKnobs(steps=1 + i % 3, draft_len=i % 5))
               for i in range(5)]
-    crowd = run_all(Engine(cfg), others + [mine], join_after={"x": 2, "o3": 4})["x"]
+    crowd = run_to_completion(Engine(cfg), others + [mine], join_after={"x": 2, "o3": 4})["x"]
     assert alone == again == crowd
 
 
@@ -154,7 +139,7 @@ def test_lenient_rule_reports_bounded_tvd(pair):
              DecodeKnobs(steps=1, draft_len=4, quality="tvd=0.1")) for i in range(4)]
     adds.append(("exact", PROMPT, SamplingParams(max_tokens=40, temperature=1.0, seed=9, ignore_eos=True),
                  DecodeKnobs(steps=1, draft_len=4)))
-    outs = run_all(engine, adds)
+    outs = run_to_completion(engine, adds)
     for i in range(4):
         st = outs[f"t{i}:stats"]
         assert st["rules_used"] == "EPS_TVD"

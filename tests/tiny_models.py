@@ -139,3 +139,22 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def run_to_completion(engine, adds=(), join_after=None) -> dict:
+    """Step `engine` until every request is done; returns request_id -> generated ids, plus
+    "<request_id>:stats" -> final stats. `adds` are add_request argument tuples
+    (request_id, prompt, params, knobs); `join_after` maps a request_id to the engine step
+    before which it joins (default 0: before the first step)."""
+    outs, steps, adds = {}, 0, list(adds)
+    join_after = join_after or {}
+    while adds or engine.has_unfinished():
+        for a in [a for a in adds if join_after.get(a[0], 0) <= steps]:
+            engine.add_request(*a)
+            adds.remove(a)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                outs[o.request_id + ":stats"] = o.stats
+        steps += 1
+    return outs
