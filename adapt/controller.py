@@ -15,6 +15,7 @@ glue between policy files, engines and policies.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -63,19 +64,29 @@ def build_policy(name: str | None = None, policy=None, **settings):
     return policies.get(name, **merged)
 
 
-def reload(decision_maker, policy) -> str:
-    """Swap a new policy file's predictor, cost model and settings into a running policy."""
+def reload(decision_maker, policy, keep_cost: bool = False) -> str:
+    """Swap a new policy file's predictor, cost model and settings into a running policy.
+    ``keep_cost``: keep the running policy's cost model (profiled on this worker and corrected
+    online), which knows this machine better than a file fitted elsewhere."""
     pf = _as_policy_file(policy)
     allowed = _SETTINGS.get(getattr(decision_maker, "name", ""), set())
     settings = {k: (tuple(v) if k == "steps_grid" else v) for k, v in pf.settings.items() if k in allowed}
-    decision_maker.update(predictor=pf.predictor, cost=CostModel.from_dict(pf.cost.to_dict()), **settings)
+    cost = None if keep_cost else CostModel.from_dict(pf.cost.to_dict())
+    decision_maker.update(predictor=pf.predictor, cost=cost, **settings)
     return pf.version
 
 
 @torch.inference_mode()
 def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_ROW_GRID[:7],
-                   context: int = 64, repeats: int = 3) -> CostModel:
-    """Time ``engine``'s target forward per token count and drafter pass per row count.
+                   context: int = 64, repeats: int = 3, overhead_steps: int = 8) -> CostModel:
+    """Time ``engine``'s target forward per token count and drafter pass per row count, then the
+    per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
+
+    - verify table: one target forward over ``n`` tokens plus the drafter-context commit of those
+      positions (the engine does both every step, drafting or not);
+    - draft table: one denoising pass over ``rows`` blocks of ``K + 1`` tokens;
+    - ``overhead_ms``: the median time of ``overhead_steps`` real autoregressive engine steps of one
+      request, minus the verify table's value at one token.
 
     Must run before the engine has running requests (it writes scratch entries into cache slots).
     """
@@ -86,6 +97,7 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     K = max(engine.block, 1)
     width_cap = engine.tcache.max_len
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    dr = engine.drafter
 
     def verify_fn(n: int) -> None:
         b = max(1, min(max_b, n // (K + 1) or 1))
@@ -93,11 +105,13 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
         t = min(t, width_cap - context - 1)
         ids = torch.zeros(b, t, dtype=torch.long, device=dev)
         start = torch.full((b,), context, dtype=torch.long, device=dev)
-        engine.target(ids, start, engine.tcache, 0, context + t, engine.capture)
+        _, hidden = engine.target(ids, start, engine.tcache, 0, context + t, engine.capture)
+        if dr is not None:
+            pos = start[:, None] + torch.arange(t, device=dev)
+            engine.dcache.write(dr.context_kv(hidden, pos), 0, start)
 
     draft_fn = None
-    if engine.drafter is not None:
-        dr = engine.drafter
+    if dr is not None:
 
         def draft_fn(rows: int) -> None:
             b = min(rows, max_b)
@@ -113,4 +127,32 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     grid_rows = [r for r in row_grid if r <= max_b] or [1, 2]
     if len(grid_rows) < 2:
         grid_rows = [1, 2]
-    return CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync)
+    cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync)
+    if overhead_steps > 0:
+        cost.overhead_ms = _measure_overhead(engine, cost, context, overhead_steps)
+    return cost
+
+
+def _measure_overhead(engine, cost: CostModel, context: int, steps: int) -> float:
+    """Median wall time of real autoregressive steps of one request minus the table's verify(1)."""
+    import numpy as np
+
+    from workers.decisions import StaticDecisions
+    from workers.request import DecodeKnobs, SamplingParams
+
+    saved, sink = engine.decisions, engine.trace_sink
+    engine.decisions, engine.trace_sink = StaticDecisions(), None
+    rid = "__adapt_profile__"
+    try:
+        prompt = [int(t) % engine.vocab for t in range(3, 3 + context)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True),
+                           DecodeKnobs(steps=0, draft_len=0))
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        engine.decisions, engine.trace_sink = saved, sink
+    decode = times[2:] or times  # the first step is the prefill
+    return max(0.0, float(np.median(decode)) - float(cost.verify.at(1.0)))

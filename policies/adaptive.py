@@ -9,8 +9,11 @@ level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are a
 
     Θ_w = Σ_r w_r E[r, s_r] / step_ms(tokens, rows per drafter pass)
 
-rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft) is a candidate when
-``allow_no_draft``.
+rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft: the row decodes
+autoregressively this step) is a candidate when ``allow_no_draft`` (default): with a weak drafter or
+a cheap target step, drafting may cost more than the tokens it wins. A row that has not verified
+drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen while it does not
+draft) pulled toward the batch-wide mean by ``1 − idle_decay^n``, so it is offered drafting again.
 
 After drafting (`_verify`): each ε row gets the ε-TVD rule with its leniency (its ε, capped by
 the total budget left, only where the draft probabilities are true conditionals and T > 0);
@@ -24,6 +27,8 @@ positions ``≤ j`` (non-anticipating).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.rules import Rule
@@ -36,9 +41,9 @@ from policies.static import rules_from
 class AdaptivePolicy(Policy):
     name = "adaptive"
 
-    def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = False, sla_weight: float = 2.0,
+    def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.02,
-                 replan_every: int = 4, **kwargs):
+                 replan_every: int = 4, idle_decay: float = 0.85, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -53,6 +58,14 @@ class AdaptivePolicy(Policy):
         self.replan_every = replan_every
         self._plan = None
         self.sla_weight, self.sla_slack, self.priority_weight = float(sla_weight), float(sla_slack), float(priority_weight)
+        if not 0.0 <= idle_decay <= 1.0:
+            raise ValueError(f"idle_decay: must be in [0, 1], got {idle_decay!r}")
+        self.idle_decay = float(idle_decay)
+        # steps since each request last verified drafts, aligned with the batch (key = request ids)
+        self._idle_key: tuple = ()
+        self._idle = torch.zeros(0)
+        self._idle_map: dict[str, float] = {}
+        self.mean_accept = 0.0  # EMA of the acceptance rate of verified drafts, over all rows
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
@@ -96,13 +109,14 @@ class AdaptivePolicy(Policy):
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
         temp = rows.temperature.to(dev)
+        recent = self._recent(rows).to(dev)                                           # [B]
         grid = torch.tensor(self.steps_grid, device=dev)                              # [S]
         S = grid.numel()
         cond = (grid[None, :] <= 1) | ctx["left_to_right"][:, None]                   # [B, S]
         match = (temp[:, None] > 0) & ~cond
         eps = torch.where(temp > 0, torch.minimum(ctx["eps"], ctx["budget_left"] / K), torch.zeros_like(temp))
         eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
-        surv = pred.prior_survival(grid, K, temp, rows.recent_accept.to(dev), match, eps)   # [B, S, K]
+        surv = pred.prior_survival(grid, K, temp, recent, match, eps)                   # [B, S, K]
         keep = w[:, None, None] * surv >= self.threshold.to(dev)                       # planned prefix
         gain = w[:, None] * (1.0 + (surv * keep).sum(-1))                             # [B, S]
         toks = 1.0 + keep.sum(-1).float()                                             # [B, S]
@@ -135,6 +149,41 @@ class AdaptivePolicy(Policy):
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
+
+    def _idle_steps(self, rows) -> torch.Tensor:
+        """[B] steps since each row last verified drafts (CPU float tensor, aligned with the batch)."""
+        key = tuple(rows.request_ids)
+        if key != self._idle_key:
+            for rid, n in zip(self._idle_key, self._idle.tolist()):
+                self._idle_map[rid] = n
+            live = set(key)
+            if len(self._idle_map) > 4 * max(len(key), 64):
+                self._idle_map = {r: n for r, n in self._idle_map.items() if r in live}
+            self._idle = torch.tensor([self._idle_map.get(r, 0.0) for r in key], dtype=torch.float32)
+            self._idle_key = key
+        return self._idle
+
+    def _recent(self, rows) -> torch.Tensor:
+        """[B] recent acceptance as the prior should read it: pulled toward the batch-wide mean by
+        ``1 − idle_decay^idle`` for rows that have not verified drafts for ``idle`` steps."""
+        recent = rows.recent_accept.float().cpu()
+        idle = self._idle_steps(rows)
+        if self.mean_accept <= 0 or not bool((idle > 0).any()):
+            return recent
+        pull = 1.0 - self.idle_decay ** idle
+        return torch.where(recent > 0, recent + (self.mean_accept - recent) * pull, recent)
+
+    def observe(self, rows, outcome) -> None:
+        super().observe(rows, outcome)
+        t0 = time.thread_time()
+        verified = torch.as_tensor(outcome.verified).cpu()
+        idle = self._idle_steps(rows)
+        self._idle = torch.where(verified > 0, torch.zeros_like(idle), idle + 1.0)
+        n = float(verified.sum())
+        if n > 0:
+            rate = float(torch.as_tensor(outcome.accepted).cpu().sum()) / n
+            self.mean_accept = rate if self.mean_accept <= 0 else 0.95 * self.mean_accept + 0.05 * rate
+        self.decision_s += time.thread_time() - t0
 
     # -- after drafting ----------------------------------------------------------------------------
     def _verify(self, rows, draft, ctx):

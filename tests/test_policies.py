@@ -183,6 +183,48 @@ def test_hot_reload_swaps_predictor_and_settings():
         p.update(colour=1)
 
 
+def test_hot_reload_can_keep_the_workers_own_cost_model():
+    from adapt.cost_model import CostModel
+
+    own = CostModel()
+    p = build_policy("adaptive", cost=own)
+    reload(p, PolicyFile(settings={"sla_weight": 3.0}), keep_cost=True)
+    assert p.cost is own and p.sla_weight == 3.0
+    reload(p, PolicyFile())
+    assert p.cost is not own
+
+
+def _cost(draft_pass_ms: float, verify_ms: float = 5.0):
+    from adapt.cost_model import CostModel, Table
+
+    return CostModel(Table([1, 1024], [verify_ms, verify_ms + 0.01]), Table([1, 256], [draft_pass_ms, draft_pass_ms]))
+
+
+def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
+    rows = make_rows(4)
+    costly = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0))
+    assert costly.choose_steps(rows).tolist() == [0, 0, 0, 0]
+    cheap = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01))
+    assert (cheap.choose_steps(rows) >= 1).all()
+    never = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), allow_no_draft=False)
+    assert (never.choose_steps(rows) >= 1).all()
+
+
+def test_adaptive_offers_drafting_again_to_rows_that_stopped():
+    p = policies.get("adaptive", idle_decay=0.5)
+    import dataclasses
+
+    rows = dataclasses.replace(make_rows(2), recent_accept=torch.tensor([0.1, 0.1]))
+    p.mean_accept = 0.7
+    # row 0 verified drafts, row 1 did not, for 6 steps
+    for _ in range(6):
+        p.observe(rows, StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
+    recent = p._recent(rows)
+    assert recent[0] < 0.2 and recent[1] > 0.6  # the idle row reads close to the batch-wide mean
+    with pytest.raises(ValueError, match="idle_decay"):
+        policies.get("adaptive", idle_decay=1.5)
+
+
 # -- in the real engine ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -234,13 +276,17 @@ def test_every_policy_runs_in_the_engine_and_keeps_its_promises(pair):
     while ref_engine.has_unfinished():
         for o in ref_engine.step():
             reference.setdefault(o.request_id, []).extend(o.new_token_ids)
-    for name in BASE + ("explore",):
+    # adaptive twice: forced to draft (so verification is exercised), and as configured by default,
+    # where it may decode rows without drafts when the stand-in cost model says drafting does not pay
+    runs = [(name, {}) for name in BASE + ("explore",)] + [("adaptive", {"allow_no_draft": False})]
+    for name, settings in runs:
         sink = ListTraceSink()
-        outs, stats = _serve(pair, build_policy(name), requests, sink)
+        outs, stats = _serve(pair, build_policy(name, **settings), requests, sink)
         assert all(len(v) == 24 for v in outs.values()), name
         for rid in reference:  # lossless greedy rows: token for token the target's own greedy output
             assert outs[rid] == reference[rid], (name, rid)
-        assert sum(rec["accepted"] for rec in sink.records) > 10, name  # drafts were really accepted
+        if settings or name != "adaptive":
+            assert sum(rec["accepted"] for rec in sink.records) > 10, name  # drafts were really accepted
         for rec in sink.records:
             i = int(rec["request_id"][1:])
             if quality[i] == "lossless":
@@ -249,3 +295,21 @@ def test_every_policy_runs_in_the_engine_and_keeps_its_promises(pair):
                 assert rec["param"] <= 0.2 + 1e-6
         for i in (1, 3):
             assert stats[f"r{i}"]["tvd_spent"] <= 0.5 + 1e-5, (name, stats[f"r{i}"])
+
+
+def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
+    from adapt.controller import profile_engine
+    from workers.decisions import StaticDecisions
+    from workers.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(target=pair[0], drafter=pair[1], device="cpu", dtype="float32", max_batch=4,
+                                 max_len=128))
+    before = engine.decisions
+    cost = profile_engine(engine, token_grid=(1, 8, 36), row_grid=(1, 2, 4), repeats=1, overhead_steps=4)
+    assert cost.source == "profile" and cost.overhead_ms >= 0.0
+    assert cost.verify.at(36.0) >= cost.verify.at(1.0) > 0 and cost.draft_pass.at(4.0) > 0
+    assert not engine.has_unfinished() and engine.decisions is before
+    assert isinstance(before, StaticDecisions)
+    engine.add_request("later", [1, 2, 3], None, None)  # the engine serves normally afterwards
+    while engine.has_unfinished():
+        engine.step()

@@ -13,7 +13,10 @@ Words used here:
   committed tokens enter the next pass as ordinary token embeddings.
 
 The drafter has no embedding or LM head of its own: `bind(embed_tokens, lm_head)` lends it the
-target's (not registered as parameters, never saved). On disk: `config.json`
+target's (not registered as parameters, never saved). For inference the engine calls
+`workers.linear.prepare_for_inference` on it: each layer's q/k/v and gate/up become one matmul, and
+`context_kv` projects the keys and values of all layers in one matmul (`ctx_kv`); training
+never prepares the drafter and runs the per-layer projections. On disk: `config.json`
 (`"model_type": "adapt-block-diffusion"`) and `model.safetensors`. `load_drafter` checks that the
 drafter was trained for the target it is paired with.
 """
@@ -32,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from workers.linear import Fusable
 
 MODEL_TYPE = "adapt-block-diffusion"
 MAX_BLOCK_SIZE = 16
@@ -132,8 +136,10 @@ class DrafterConfig:
         )
 
 
-class DrafterLayer(nn.Module):
+class DrafterLayer(Fusable):
     """Pre-norm transformer layer whose attention also sees the injected context keys/values."""
+
+    FUSE = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -154,29 +160,41 @@ class DrafterLayer(nn.Module):
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] (already normed) -> k, v each [B, kv_heads, T, d], RoPE on k."""
-        k = self.k_norm(self._heads(self.k_proj(x), self.cfg.num_kv_heads))
-        v = self._heads(self.v_proj(x), self.cfg.num_kv_heads)
-        return apply_rope(k, cos, sin), v
+        return self.finish_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def finish_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected k, v [B, T, kv_heads * d] -> k (normed, RoPE) and v, each [B, kv_heads, T, d]."""
+        k = self.k_norm(self._heads(k, self.cfg.num_kv_heads))
+        return apply_rope(k, cos, sin), self._heads(v, self.cfg.num_kv_heads)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """x [B, Q, H]; ctx_k/v [B, kv, C, d]; mask [B, Q, C + Q] bool (True = attend)."""
+        cfg = self.cfg
         h = self.input_norm(x)
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.cfg.num_heads)), cos, sin)  # [B, nh, Q, d]
-        k, v = self.project_kv(h, cos, sin)
+        qkv = self.fused("qkv")
+        if qkv is not None:
+            q, k, v = qkv(h).split((cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2, dim=-1)
+            k, v = self.finish_kv(k, v, cos, sin)
+        else:
+            q = self.q_proj(h)
+            k, v = self.project_kv(h, cos, sin)
+        q = apply_rope(self.q_norm(self._heads(q, cfg.num_heads)), cos, sin)  # [B, nh, Q, d]
         k = torch.cat((ctx_k.to(k.dtype), k), dim=2)  # [B, kv, C + Q, d]
         v = torch.cat((ctx_v.to(v.dtype), v), dim=2)
         attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)
+            q, k, v, attn_mask=mask[:, None], enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_norm(x))
 
 
-class BlockDiffusionDrafter(nn.Module):
+class BlockDiffusionDrafter(Fusable):
     """See the module docstring. Call `bind(embed_tokens, lm_head)` before `embed_block`/`logits`."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
+        # context k/v of every layer as one matmul, [B, T, layers * 2 * kv_heads * d] (after fuse())
+        self.FUSE = {"ctx_kv": tuple(f"layers.{i}.{p}" for i in range(config.num_layers) for p in ("k_proj", "v_proj"))}
         n_ctx = len(config.target_layer_ids) * config.target_hidden_size
         self.fc = nn.Linear(n_ctx, config.hidden_size, bias=False)
         self.ctx_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -227,7 +245,11 @@ class BlockDiffusionDrafter(nn.Module):
         per drafter layer (k, v), each [B, kv_heads, T, head_dim], RoPE applied."""
         ctx = self.ctx_norm(self.fc(hidden.to(self.fc.weight.dtype)))  # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
-        return [layer.project_kv(ctx, cos, sin) for layer in self.layers]
+        ctx_kv = self.fused("ctx_kv")
+        if ctx_kv is None:
+            return [layer.project_kv(ctx, cos, sin) for layer in self.layers]
+        kv = ctx_kv(ctx).chunk(2 * len(self.layers), dim=-1)  # k0, v0, k1, v1, ...: [B, T, kv_heads * d]
+        return [layer.finish_kv(kv[2 * i], kv[2 * i + 1], cos, sin) for i, layer in enumerate(self.layers)]
 
     def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor,

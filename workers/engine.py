@@ -36,6 +36,7 @@ USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 from workers.decisions import DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome, exact_rules
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
+from workers.linear import prepare_for_inference
 from workers.target_model import load_target, resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,11 @@ DEMO_DRAFTER = REPO_ROOT / "models" / "demo" / "drafter"
 class EngineConfig:
     """target / drafter: local model directories (drafter None = autoregressive only);
     dtype: auto | float32 | bfloat16 | float16; device: auto | cpu | cuda[:i];
-    max_batch: running requests at once; max_len: prompt + generated tokens per request."""
+    max_batch: running requests at once; max_len: prompt + generated tokens per request;
+    shape_aware_linear: on CPU, run the bf16/fp16 target's and drafter's matmuls through packed
+    oneDNN weights, the smallest through fp32 copies (workers/linear.py; ignored on GPUs and in
+    fp32; False = plain `F.linear`); compile: `torch.compile` the target forward (off by default:
+    see docs/engine.md, "Speed", for what it measured)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -56,6 +61,8 @@ class EngineConfig:
     max_batch: int = 64
     max_len: int = 1024
     seed: int = 0  # seeds the generators of requests that bring no seed
+    shape_aware_linear: bool = True
+    compile: bool = False
 
 
 @dataclass(eq=False)  # compared by identity
@@ -89,7 +96,11 @@ class Engine:
         dev = config.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.target = load_target(config.target, self.dtype, self.device)
+        # inductor cannot lower the packed weights of shape-aware linears: a compiled target keeps plain ones
+        self.target = load_target(config.target, self.dtype, self.device,
+                                  shape_aware=config.shape_aware_linear and not config.compile)
+        if config.compile:
+            self.target.forward = torch.compile(self.target.forward, dynamic=True)
         tcfg = self.target.config
         self.vocab = tcfg.vocab_size
         self.max_len = min(config.max_len, tcfg.max_position)
@@ -105,6 +116,7 @@ class Engine:
             if not (path / "config.json").is_file():
                 raise EngineInputError(f"drafter directory {str(path)!r} does not exist or has no config.json")
             self.drafter = load_drafter(path, tcfg.hf_config, device=self.device, dtype=self.dtype)
+            prepare_for_inference(self.drafter, shape_aware=config.shape_aware_linear)
             self.drafter.bind(self.target.model.embed_tokens, self.target.lm_head).eval().requires_grad_(False)
             self.block = self.drafter.config.block_size
             self.capture = tuple(self.drafter.config.target_layer_ids)

@@ -43,10 +43,12 @@ class KVCache:
         entry t at position start[r] + t (start [B] int64)."""
         B, kvh, T, d = layer_kv[0][0].shape
         pos = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
-        idx = pos[:, None, :, None].expand(B, kvh, T, d)
+        rows = torch.arange(row0, row0 + B, device=start.device)[:, None].expand(B, T)  # [B, T]
+        # index_put_ on the [max_batch, max_len, kvh, d] view; scatter_ into a strided view of the
+        # cache costs ~30 µs per row and layer on CPU, this a few µs in all
         for i, (k, v) in enumerate(layer_kv):
-            self.k[i][row0 : row0 + B].scatter_(2, idx, k.to(self.k[i].dtype))
-            self.v[i][row0 : row0 + B].scatter_(2, idx, v.to(self.v[i].dtype))
+            self.k[i].transpose(1, 2).index_put_((rows, pos), k.transpose(1, 2).to(self.k[i].dtype))
+            self.v[i].transpose(1, 2).index_put_((rows, pos), v.transpose(1, 2).to(self.v[i].dtype))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (compaction on departure)."""

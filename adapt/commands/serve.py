@@ -23,8 +23,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Ray actors)")
     p.add_argument("--redis-url", default=None, help="Redis for load, policies and traces (default: in-process)")
     p.add_argument("--ray-address", default=None, help="join a running Ray cluster (e.g. 'auto')")
-    p.add_argument("--policy", default=None, help="policy name from the registry (default: the engine's)")
-    p.add_argument("--policy-file", default=None, help="policy JSON to publish at start (adapt.policy_file)")
+    p.add_argument("--policy", default="adaptive",
+                   help="policy from the registry (default: adaptive; 'engine' = each request's own knobs)")
+    p.add_argument("--policy-file", default=None,
+                   help="policy JSON to publish at start (adapt.policy_file; default with the demo target: "
+                        "models/demo/policy.json, fitted on the demo pair's traces; 'none' = no file)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (cores/workers)")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     p.add_argument("--max-batch", type=int, default=32)
@@ -36,6 +39,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
     p.add_argument("--model-name", default="adapt-demo", help="the model id the API reports")
     p.set_defaults(run=run)
+
+
+def default_policy(policy: str | None, policy_file: str | None, target: str) -> tuple[str | None, str | None]:
+    """(policy name, policy file) to start with: 'engine' means none (each request's own knobs);
+    without a file, the demo target gets the shipped demo policy file when it is there."""
+    name = None if policy in (None, "", "engine") else policy
+    if policy_file == "none":
+        return name, None
+    if policy_file is None and name is not None and Path(target).resolve() == (DEMO / "target").resolve():
+        shipped = DEMO / "policy.json"
+        if shipped.is_file():
+            return name, str(shipped)
+    return name, policy_file
 
 
 def run(args) -> int:
@@ -53,9 +69,10 @@ def run(args) -> int:
     if args.num_workers < 1:
         raise SystemExit("--num-workers: must be >= 1")
     defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
+    policy, policy_file = default_policy(args.policy, args.policy_file, args.target)
     stack = start_stack(
-        args.target, args.drafter, num_workers=args.num_workers, redis_url=args.redis_url, policy=args.policy,
-        policy_file=args.policy_file, model_name=args.model_name, defaults=defaults,
+        args.target, args.drafter, num_workers=args.num_workers, redis_url=args.redis_url, policy=policy,
+        policy_file=policy_file, model_name=args.model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
                         "device": args.device},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,

@@ -46,21 +46,26 @@ def validate_policy_doc(doc: Any):
     return policy_file.loads(text)
 
 
-def decisions_from_policy(policy: Any, block_size: int | None = None):
-    """A `DecisionMaker` for a loaded `PolicyFile` (`adapt.controller.build_policy`)."""
+def decisions_from_policy(policy: Any, block_size: int | None = None, cost: Any = None):
+    """A `DecisionMaker` for a loaded `PolicyFile` (`adapt.controller.build_policy`); ``cost``: the
+    worker's own profiled `CostModel` (a copy is handed in), else the file's."""
     from adapt.controller import build_policy
+    from adapt.cost_model import CostModel
 
     extra = {} if not block_size else {"block_size": int(block_size)}
+    if cost is not None:
+        extra["cost"] = CostModel.from_dict(cost.to_dict())
     return build_policy(policy=policy, **extra)
 
 
-def _reload_in_place(current: Any, policy: Any) -> bool:
-    """Update a running policy of the same class in place (keeps its per-request books)."""
+def _reload_in_place(current: Any, policy: Any, keep_cost: bool = False) -> bool:
+    """Update a running policy of the same class in place (keeps its per-request books and, with
+    ``keep_cost``, the cost model it profiled and corrected on this worker)."""
     if current is None or getattr(current, "name", None) != policy.policy or not hasattr(current, "update"):
         return False
     from adapt.controller import reload
 
-    reload(current, policy)
+    reload(current, policy, keep_cost=keep_cost)
     return True
 
 
@@ -82,7 +87,8 @@ class ServingPlugin:
     `StateStore` (e.g. `adapt.serving.controller_actor.ActorStoreClient`)."""
 
     def __init__(self, worker_id: str, store: Any = None, policy: str | None = None,
-                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, meta: dict[str, Any] | None = None):
+                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, meta: dict[str, Any] | None = None,
+                 profile_cost: bool = True):
         self.worker_id = worker_id
         self.store = _resolve_store(store)
         self.policy_name = policy
@@ -102,11 +108,23 @@ class ServingPlugin:
         self._threads: list[threading.Thread] = []
         self._store_ok = True
         self.block_size: int | None = None
+        self.profile_cost = profile_cost
+        self.cost = None  # this worker's profiled CostModel (adapt.controller.profile_engine)
 
     # -- plugin protocol -----------------------------------------------------------------------
     def decisions(self, engine: Any = None):
         """The decision maker to start with: the store's current policy, else the named one."""
         self.block_size = int(getattr(engine, "block", 0) or 0) or None
+        if self.profile_cost and engine is not None and hasattr(engine, "tcache"):
+            try:
+                from adapt.controller import profile_engine
+
+                self.cost = profile_engine(engine)
+                log.info("worker %s cost model profiled: verify(1) %.2f ms, overhead %.2f ms", self.worker_id,
+                         self.cost.verify.at(1.0), self.cost.overhead_ms)
+            except Exception as exc:  # noqa: BLE001 - profiling is an optimisation; never block start-up
+                log.warning("cost profiling failed, using the policy file's cost model: %s", exc)
+                self.cost = None
         try:
             current = self.store.get_policy()
         except Exception as exc:  # noqa: BLE001 - store down at start: fall back to the named policy
@@ -115,7 +133,7 @@ class ServingPlugin:
         if current is not None:
             version, doc = current
             try:
-                dm = decisions_from_policy(validate_policy_doc(doc), self.block_size)
+                dm = decisions_from_policy(validate_policy_doc(doc), self.block_size, self.cost)
                 self._loaded_version, self._loaded_checksum = version, _digest(doc)
                 return dm
             except Exception as exc:  # noqa: BLE001
@@ -124,7 +142,11 @@ class ServingPlugin:
         if self.policy_name:
             from adapt.controller import build_policy
 
+            from adapt.cost_model import CostModel
+
             extra = {} if not self.block_size else {"block_size": self.block_size}
+            if self.cost is not None:
+                extra["cost"] = CostModel.from_dict(self.cost.to_dict())
             return build_policy(name=self.policy_name, **extra)
         return None
 
@@ -224,7 +246,7 @@ class ServingPlugin:
                 return
             try:
                 policy = validate_policy_doc(doc)
-                fresh = decisions_from_policy(policy, self.block_size)  # builds only if the settings are valid
+                fresh = decisions_from_policy(policy, self.block_size, self.cost)  # builds only if the settings are valid
             except Exception as exc:  # noqa: BLE001 - a bad version never replaces a good one
                 self._rejected[version] = str(exc)
                 self._rejected_checksums[version] = checksum
@@ -234,7 +256,7 @@ class ServingPlugin:
 
             def install(engine) -> None:
                 """Same policy class: update in place, keeping its per-request books; else swap."""
-                if not _reload_in_place(getattr(engine, "decisions", None), policy):
+                if not _reload_in_place(getattr(engine, "decisions", None), policy, keep_cost=self.cost is not None):
                     engine.decisions = fresh
 
             self._loop.between_steps(install, version)

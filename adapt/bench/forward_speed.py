@@ -1,0 +1,141 @@
+"""Side-by-side timings of the target forward and of single linears (not a test).
+
+    python -m adapt.bench.forward_speed                       # demo target, bf16, 1 thread
+    python -m adapt.bench.forward_speed --linears             # + fp32 / bf16 / packed F.linear table
+    python -m adapt.bench.forward_speed --thresholds          # + shape-aware fp32 thresholds
+    python -m adapt.bench.forward_speed --compile             # + torch.compile of the forward
+
+Variants of the same `TargetModel`, loaded side by side in one process and timed in turns (so a
+busy machine slows all of them alike; compare the ratios, not the absolute times):
+- `plain`: `load_target(shape_aware=False, fuse=False)`, every projection its own bf16 matmul;
+- `fused`: q/k/v and gate/up fused (`fuse=True`), plain bf16 matmuls;
+- `fused+packed`: fused, shape-aware linears without fp32 shadows (threshold 0);
+- `fused+sa`: fused and shape-aware linears, the engine's default on CPU (workers/linear.py);
+- `sa@N` (`--thresholds`): `fused+sa` with `SMALL_MATMUL_MACS` = N;
+- `compiled` (`--compile`): `fused` with `torch.compile(forward, dynamic=True)` (inductor
+  cannot lower the packed weights of `fused+sa`); its compile time (first calls) is reported
+  separately.
+Each (B, T) decodes T new tokens per row after `--context` cached ones: T = 1 is an
+autoregressive step, T = 17 a verification of 16 drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.nn import functional as F
+
+SHAPES = ((1, 1), (1, 17), (8, 1), (8, 17))
+LINEAR_SHAPES = ((256, 768), (256, 256), (768, 256), (256, 1536), (256, 4096))
+LINEAR_ROWS = (1, 2, 4, 8, 17, 136)
+COLD_WEIGHTS = 24
+THRESHOLDS = (500_000, 1_600_000)  # besides the default SMALL_MATMUL_MACS
+
+
+def _best_us(fn, iters: int, reps: int = 5) -> float:
+    """Best of `reps` means over `iters` calls, in µs."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t) / iters * 1e6)
+    return best
+
+
+def linear_table(dtype: torch.dtype, iters: int) -> list[dict]:
+    """Per weight shape and rows: F.linear through an fp32 copy (input and output cast), plain in
+    `dtype`, and with a packed `dtype` weight (workers/linear.py). Each call cycles through
+    `COLD_WEIGHTS` distinct weights, so that, as in a real forward, they are not in cache."""
+    rows = []
+    for fan_in, fan_out in LINEAR_SHAPES:
+        w32 = [torch.randn(fan_out, fan_in) for _ in range(COLD_WEIGHTS)]
+        w = [x.to(dtype) for x in w32]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(x, 1) for x in w]
+        for m in LINEAR_ROWS:
+            x = torch.randn(m, fan_in).to(dtype)
+            us = {
+                "fp32_us": _best_us(lambda: [F.linear(x.float(), a).to(dtype) for a in w32], iters),
+                "plain_us": _best_us(lambda: [F.linear(x, a) for a in w], iters),
+                "packed_us": _best_us(lambda: [torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")
+                                               for a in packed], iters),
+            }
+            rows.append({"in": fan_in, "out": fan_out, "rows": m, "macs": m * fan_in * fan_out}
+                        | {k: round(v / COLD_WEIGHTS, 1) for k, v in us.items()})
+    return rows
+
+
+def forward_table(target: str, dtype: torch.dtype, context: int, iters: int, compile_: bool,
+                  thresholds: tuple[int, ...] = (), rounds: int = 7) -> dict:
+    from workers.target_model import load_target
+
+    variants = {
+        "plain": load_target(target, dtype, shape_aware=False, fuse=False),
+        "fused": load_target(target, dtype, shape_aware=False, fuse=True),
+        "fused+packed": load_target(target, dtype, shape_aware=False).prepare_for_inference(threshold=0),
+        "fused+sa": load_target(target, dtype),
+    }
+    for n in thresholds:
+        variants[f"sa@{n}"] = load_target(target, dtype, shape_aware=False).prepare_for_inference(threshold=n)
+    compile_s = None
+    if compile_:  # inductor cannot lower the packed oneDNN weights: compile plain fused linears
+        model = load_target(target, dtype, shape_aware=False)
+        model.forward = torch.compile(model.forward, dynamic=True)
+        variants["compiled"] = model
+    max_b = max(b for b, _ in SHAPES)
+    caches = {name: m.new_cache(max_b, context + 64) for name, m in variants.items()}
+    capture = (1, 3, 5)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        if compile_:
+            t = time.perf_counter()
+            for b, T in SHAPES:  # compile (and recompile) once per shape before timing
+                ids = torch.randint(0, 100, (b, T), generator=gen)
+                variants["compiled"](ids, torch.full((b,), context), caches["compiled"], 0, context + T, capture)
+            compile_s = time.perf_counter() - t
+        for b, T in SHAPES:
+            ids = torch.randint(0, 100, (b, T), generator=gen)
+            start = torch.full((b,), context)
+            ms = {name: float("inf") for name in variants}
+            for _ in range(rounds):  # the variants in turns, best round each
+                for name, m in variants.items():
+                    call = lambda m=m, c=caches[name]: m(ids, start, c, 0, context + T, capture)
+                    ms[name] = min(ms[name], _best_us(call, iters, reps=1) / 1e3)
+            out[f"B={b} T={T}"] = {name: round(v, 3) for name, v in ms.items()} | {
+                f"{name}/plain": round(v / ms["plain"], 3) for name, v in ms.items() if name != "plain"}
+    return {"forward_ms": out, "compile_s": compile_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from workers.engine import DEMO_TARGET
+    from workers.target_model import DTYPES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=str(DEMO_TARGET))
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=300, help="cached tokens per row before the timed call")
+    ap.add_argument("--iters", type=int, default=20, help="forward calls per timing")
+    ap.add_argument("--rounds", type=int, default=7, help="timings per variant and shape, in turns; the best counts")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(forward, dynamic=True)")
+    ap.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
+    ap.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    report = {"threads": args.threads, "dtype": args.dtype}
+    if args.linears:
+        report["linear_us"] = linear_table(dtype, iters=10)
+    report |= forward_table(args.target, dtype, args.context, args.iters, args.compile,
+                            THRESHOLDS if args.thresholds else (), args.rounds)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

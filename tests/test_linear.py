@@ -1,0 +1,155 @@
+"""Shape-aware linears and fused projections (workers/linear.py) against plain F.linear / transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+from tests.tiny_models import make_tiny_target, single_thread, tiny_hf_config
+from workers.drafter import init_drafter
+from workers.linear import (
+    ShapeAwareLinear,
+    can_pack,
+    fuse_linears,
+    make_shape_aware,
+    prepare_for_inference,
+    use_fp32,
+    wants_shadow,
+)
+from workers.target_model import load_target
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+def _linear(fan_in, fan_out, bias=True, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(fan_in, fan_out, bias=bias).to(dtype).requires_grad_(False)
+
+
+def test_selection_by_size_device_and_dtype():
+    assert use_fp32(1, 256, 256, threshold=100_000)
+    assert not use_fp32(2, 256, 256, threshold=100_000)
+    assert use_fp32(8, 256, 768, threshold=1_600_000) and not use_fp32(17, 256, 768, threshold=1_600_000)
+    small = torch.empty(256, 256, dtype=torch.bfloat16)
+    assert wants_shadow(small, threshold=100_000)
+    assert not wants_shadow(torch.empty(4096, 256, dtype=torch.bfloat16), threshold=100_000)  # one row already too big
+    assert not wants_shadow(small.float(), threshold=100_000)  # fp32 needs no shadow
+    off_cpu = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")  # stands for a GPU tensor
+    assert not wants_shadow(off_cpu, threshold=100_000) and not can_pack(off_cpu)
+    assert not can_pack(small.float())
+
+
+def test_prepare_leaves_linears_plain_off_cpu():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(torch.bfloat16)
+    prepare_for_inference(model)
+    assert all(type(m) is nn.Linear for m in model)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_shape_aware_matches_f_linear_on_both_paths(rows):
+    lin = _linear(64, 96)
+    sa = ShapeAwareLinear.from_linear(lin, threshold=3 * 64 * 96)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    out = sa(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    exact32 = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    if use_fp32(rows, 64, 96, sa.threshold):  # the fp32 shadow path: fp32 math, one rounding
+        torch.testing.assert_close(out, exact32.to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), F.linear(x, lin.weight, lin.bias).float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out.float(), exact32, atol=0.05, rtol=0.02)
+    x3 = torch.randn(2, rows, 64).to(torch.bfloat16).transpose(0, 1)  # batched, non-contiguous
+    torch.testing.assert_close(sa(x3).float(), F.linear(x3.float(), lin.weight.float(), lin.bias.float()), atol=0.05, rtol=0.02)
+
+
+def test_shape_aware_keeps_names_ties_and_follows_reloads_and_casts():
+    emb = nn.Embedding(32, 16)
+    model = nn.ModuleDict({"emb": emb, "head": nn.Linear(16, 32, bias=False)}).to(torch.bfloat16)
+    model["head"].weight = emb.weight
+    keys = set(model.state_dict())
+    make_shape_aware(model)
+    assert isinstance(model["head"], ShapeAwareLinear) and model["head"].weight is model["emb"].weight
+    assert set(model.state_dict()) == keys
+    x = torch.randn(1, 16).to(torch.bfloat16)
+    model["head"](x)  # builds the derived copies
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)
+    assert torch.equal(model["emb"].weight, new["head.weight"])  # tied: the later key wins
+    torch.testing.assert_close(model["head"](x).float(), F.linear(x.float(), new["head.weight"].float()), atol=0.05, rtol=0.02)
+    model.float()
+    assert model["head"](x.float()).dtype == torch.float32
+
+
+def test_fused_linear_equals_parts_and_shares_their_storage():
+    parts = [_linear(32, n, bias=b, seed=i) for i, (n, b) in enumerate([(48, True), (16, False), (16, True)])]
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    ref = torch.cat([F.linear(x.float(), p.weight.float(), None if p.bias is None else p.bias.float()) for p in parts], -1)
+    for threshold in (None, 0, 10**9):  # plain, packed, fp32 shadow
+        fused = fuse_linears(parts, threshold)
+        torch.testing.assert_close(fused(x).float(), ref, atol=0.05, rtol=0.02)
+        base, end = fused.weight.data_ptr(), fused.weight.data_ptr() + fused.weight.numel() * 2
+        assert all(base <= p.weight.data_ptr() < end for p in parts)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_prepared_bf16_target_matches_transformers(tmp_path, family):
+    """Fused + shape-aware bf16 logits are as close to fp32 transformers as plain bf16 ones; names unchanged."""
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits  # [2, 9, V] fp32
+    errs = {}
+    for name, kw in {"plain": dict(shape_aware=False, fuse=False), "prepared": {}}.items():
+        model = load_target(path, dtype=torch.bfloat16, **kw)
+        cache = model.new_cache(2, 16)
+        with torch.inference_mode():
+            first, _ = model(ids[:, :8], torch.zeros(2, dtype=torch.long), cache, 0, 8)  # prefill: bf16 path
+            last, _ = model(ids[:, 8:], torch.full((2,), 8), cache, 0, 9)  # one token per row: fp32 path
+        errs[name] = (torch.cat([first, last], 1) - ref).abs().max().item()
+        if name == "prepared":
+            assert set(model.state_dict()) == set(load_target(path, fuse=False, shape_aware=False).state_dict())
+            assert model.model.layers[0].self_attn.fused("qkv") is not None
+    assert errs["prepared"] < 0.05 + 1.5 * errs["plain"], errs
+
+
+def test_drafter_fused_context_and_block_equal_unfused():
+    target = AutoModelForCausalLM.from_config(tiny_hf_config("llama", vocab=64, layers=4)).eval()
+    drafter = init_drafter(target.config, target.model.embed_tokens, target.lm_head, seed=1, block_size=4).eval()
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(2, 7, len(drafter.config.target_layer_ids) * 64, generator=gen)
+    pos = torch.arange(7).expand(2, 7)
+    block = torch.randn(2, 5, 64, generator=gen)
+    bpos = 7 + torch.arange(5).expand(2, 5)
+    ctx_mask = torch.ones(2, 5, 7, dtype=torch.bool)
+    keys = set(drafter.state_dict())
+    with torch.no_grad():
+        kv_ref = drafter.context_kv(feats, pos)
+        out_ref = drafter.forward_block(block, bpos, kv_ref, ctx_mask)
+        prepare_for_inference(drafter)
+        assert drafter.fused("ctx_kv") is not None and set(drafter.state_dict()) == keys
+        kv = drafter.context_kv(feats, pos)
+        out = drafter.forward_block(block, bpos, kv, ctx_mask)
+    for (k, v), (kr, vr) in zip(kv, kv_ref):
+        torch.testing.assert_close(k, kr, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, vr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    # reloading the (unchanged-name) weights rebuilds the fused projection from them
+    state = {k: v * 0.5 if k.endswith("k_proj.weight") else v for k, v in drafter.state_dict().items()}
+    drafter.load_state_dict(state)
+    with torch.no_grad():
+        fused_k = drafter.context_kv(feats, pos)[0][0]
+        drafter.unfuse()
+        torch.testing.assert_close(fused_k, drafter.context_kv(feats, pos)[0][0], atol=1e-5, rtol=1e-5)
+
+
+def test_prepared_model_can_be_copied():
+    import copy
+
+    lin = ShapeAwareLinear.from_linear(_linear(16, 8), threshold=0)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    out = lin(x)  # builds the packed weight
+    torch.testing.assert_close(copy.deepcopy(lin)(x), out, atol=0, rtol=0)
