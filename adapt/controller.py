@@ -96,6 +96,7 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     max_b = engine.config.max_batch
     K = max(engine.block, 1)
     width_cap = engine.tcache.max_len
+    context = max(1, min(context, engine.max_len // 2))  # small engines: a shorter scratch context
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     dr = engine.drafter
 
@@ -144,7 +145,8 @@ def _measure_overhead(engine, cost: CostModel, context: int, steps: int) -> floa
     engine.decisions, engine.trace_sink = StaticDecisions(), None
     rid = "__adapt_profile__"
     try:
-        prompt = [int(t) % engine.vocab for t in range(3, 3 + context)]
+        length = max(1, min(context, engine.max_len - steps - 4))
+        prompt = [int(t) % engine.vocab for t in range(3, 3 + length)]
         engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True),
                            DecodeKnobs(steps=0, draft_len=0))
         times = []

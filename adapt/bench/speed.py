@@ -10,6 +10,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | row | what runs |
 |---|---|
 | `adapt` | our `Engine` with the drafter, default decisions and knobs |
+| `adapt-policy` | our `Engine` with `adapt serve`'s default decisions: the `adaptive` policy, `models/demo/policy.json`, a cost model profiled at start |
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `hf` | transformers `generate`, greedy |
@@ -43,6 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
     "adapt": "adapt (default)",
+    "adapt-policy": "adapt, adaptive policy",
     "adapt-ar": "adapt --draft-len 0",
     "adapt-target": "adapt, no drafter",
     "hf": "transformers generate",
@@ -51,7 +53,8 @@ ROWS = {
     "vllm-ngram": "vLLM CPU + ngram",
 }
 # (ours, theirs): the comparisons the speed targets are about
-RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt", "vllm-ngram"), ("adapt", "vllm"),
+RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt", "vllm-ngram"), ("adapt-policy", "vllm-ngram"),
+          ("adapt", "vllm"),
           ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
 
 
@@ -135,7 +138,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
 
     runners, skipped = {}, {}
     target, drafter = args.target.resolve(), args.drafter.resolve()
-    for row in ("adapt", "adapt-ar"):
+    for row in ("adapt", "adapt-policy", "adapt-ar"):
         if row in rows and not (drafter / "config.json").is_file():
             skipped[row] = f"no drafter at {drafter}"
     vllm_rows = [r for r in rows if r.startswith("vllm")]
@@ -150,6 +153,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
         label = ROWS[row]
         if row == "adapt":
             runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len)
+        elif row == "adapt-policy":
+            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len, policy="adaptive")
         elif row == "adapt-ar":
             runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len, draft_len=0)
         elif row == "adapt-target":
@@ -273,7 +278,7 @@ def run(args) -> int:
 
     profiles = {}
     if not args.no_profile:
-        for name in ("adapt", "adapt-ar", "adapt-target"):
+        for name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target"):
             if name in runners:
                 for b in batch_sizes:
                     profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True).extra

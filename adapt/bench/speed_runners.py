@@ -187,11 +187,14 @@ class AdaptRunner:
     """Our `Engine` with its default decision maker. `draft_len=None`: the default knobs;
     `draft_len=0`: every request decodes autoregressively (`adapt generate --draft-len 0`: the
     drafter is loaded and its context cache kept, as the engine must when a later request may
-    draft); `drafter=None`: an engine without a drafter, the bare autoregressive path."""
+    draft); `drafter=None`: an engine without a drafter, the bare autoregressive path.
+    `policy="adaptive"`: what `adapt serve` runs by default, the adaptive policy with the policy
+    file shipped beside the drafter's parent (`models/demo/policy.json`, if there) and a cost
+    model profiled on this engine at start, as a serving worker does."""
 
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
-                 max_batch: int, max_len: int, draft_len: int | None = None):
-        self.name, self.label = name, label
+                 max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None):
+        self.name, self.label, self.policy = name, label, policy
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
         self.engine = None
@@ -203,6 +206,12 @@ class AdaptRunner:
         drafter = None if self.drafter is None else str(self.drafter)
         self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter,
                                           dtype=self.dtype, max_batch=self.max_batch, max_len=self.max_len))
+        if self.policy:
+            from adapt.controller import build_policy, profile_engine
+
+            shipped = None if self.drafter is None else Path(self.drafter).parent / "policy.json"
+            policy_file = shipped if shipped is not None and shipped.is_file() else None
+            self.engine.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
         from workers.request import DecodeKnobs, SamplingParams
