@@ -137,3 +137,44 @@ def test_abort_frees_the_slot_and_others_continue(pair):
     assert outs["b"] == expected[1]
     assert outs["c"] == expected[2]  # joined in the freed slot
     assert engine.free_slots == 2 and not engine.has_unfinished()
+
+
+class BurstyDrafting(StaticDecisions):
+    """No drafts for long runs (past the stash window), then a draft step, per row by a seeded coin."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.step = 0
+
+    def choose_steps(self, rows):
+        self.step += 1
+        burst = self.step % 80 > 70  # ~70 steps without drafts, then a few with
+        return torch.tensor([1 if burst or self.rng.random() < 0.01 else 0 for _ in rows.request_ids])
+
+
+def test_lazy_drafter_context_equals_the_eager_one(tmp_path):
+    """The drafter context written lazily (stash, overflow flushes, slot moves on departure) equals
+    the context of a full target forward over each row's committed tokens."""
+    from workers.engine import PENDING_WINDOW
+
+    target, drafter = make_tiny_pair(tmp_path, vocab=16, seed=5)
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=4, max_len=256),
+                    decisions=BurstyDrafting())
+    for rid, n in (("short", 20), ("long", 240), ("mid", 200)):
+        engine.add_request(rid, [3, 4, 5, 6], SamplingParams(max_tokens=n, ignore_eos=True), DecodeKnobs())
+    for _ in range(120):  # "short" finishes early: the last slot moves into its place
+        engine.step()
+    run = engine.running
+    assert len(run) == 2 and max(r.length - r.ctx_len for r in run) > 0
+    assert max(r.length for r in run) > PENDING_WINDOW
+    engine._flush(list(range(len(run))))
+    tm, dr = engine.target, engine.drafter
+    for slot, req in enumerate(run):
+        L = req.length
+        ids = torch.tensor([(req.prompt + req.output)[:L]])
+        cache = tm.new_cache(1, L + 1)
+        _, hidden = tm(ids, torch.zeros(1, dtype=torch.long), cache, 0, L, engine.capture)
+        ref = dr.context_kv(hidden, torch.arange(L)[None])
+        for layer, (k, v) in enumerate(ref):
+            torch.testing.assert_close(engine.dcache.k[layer][slot, :, :L], k[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(engine.dcache.v[layer][slot, :, :L], v[0], atol=1e-4, rtol=1e-4)

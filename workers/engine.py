@@ -10,8 +10,13 @@ Words used here (see also workers/decisions.py):
   drafter denoises `[anchor, MASK x K]` for rows with s > 0, all rows batched, s_max passes;
   (3) draft length `k` and acceptance rule per row; (4) one target forward over
   `[anchor, x_1..x_k]` per row (padded to max k + 1), `kernels.verify` on the ragged flat batch;
-  (5) commit: lengths += accepted + 1 (rollback is just not advancing), the drafter context
-  receives the target hidden states of the new positions; one host sync reads the results.
+  (5) commit: lengths += accepted + 1 (rollback is just not advancing), the target hidden states
+  of the new positions are stashed for the drafter context; one host sync reads the results.
+- **lazy context commit**: the drafter's context K/V of a row's positions `[ctx_len, L)` are
+  computed only when the row next drafts (or when its stash of `PENDING_WINDOW` positions fills),
+  from the target hidden states kept in `pending`. Rows that decode without drafts (`s = 0`,
+  `--draft-len 0`) thus pay one batched context pass per `PENDING_WINDOW` tokens instead of one
+  per step.
 
 Randomness: each sampled request draws from its own `torch.Generator` (seeded by
 `SamplingParams.seed`), and draws only what its own row needs, so a seeded request's output does
@@ -38,6 +43,8 @@ from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, R
 from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
 from workers.target_model import load_target, resolve_dtype
+
+PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
@@ -76,6 +83,7 @@ class _Request:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     length: int = 0            # committed length L
+    ctx_len: int = 0           # positions < ctx_len have drafter-context K/V; [ctx_len, L) are stashed
     passes: int = 0            # target forward passes that emitted tokens for this request
     accepted: int = 0
     verified: int = 0
@@ -129,6 +137,9 @@ class Engine:
             dc = self.drafter.config
             self.dcache = KVCache(dc.num_layers, config.max_batch, dc.num_kv_heads, cap, dc.head_dim,
                                   dtype=self.dtype, device=self.device)
+            width = len(self.capture) * tcfg.hidden_size
+            # [max_batch, PENDING_WINDOW, n * H] target hidden states not yet in the drafter context
+            self.pending = torch.zeros(config.max_batch, PENDING_WINDOW, width, dtype=self.dtype, device=self.device)
         K = max(self.block, 1)
         self.acc_counts = torch.zeros(config.max_batch, K, device=self.device)    # accepted at draft position j
         self.reach_counts = torch.zeros(config.max_batch, K, device=self.device)  # verified with all before accepted
@@ -261,6 +272,7 @@ class Engine:
         for i, (req, tok) in enumerate(zip(new, tokens)):
             self.running.append(req)
             req.t_start, req.length, req.passes = t0, len(req.prompt), 1
+            req.ctx_len = req.length  # the prefill wrote the prompt's drafter context
             reason = self._emit(req, [tok], now)
             outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, self._stats(req)))
             if reason is not None:
@@ -290,6 +302,7 @@ class Engine:
         if K and max(s_host) > 0:
             drows = [i for i, s in enumerate(s_host) if s > 0]
             sel = None if len(drows) == B else torch.tensor(drows, device=dev)
+            self._flush(drows)
             tok_d, q_d = self._draft(drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r)
             c, e, mg = draft_features(q_d)
             if sel is None:
@@ -329,8 +342,7 @@ class Engine:
         width = max(r.length for r in run) + Tq
         logits, hidden = self.target(inp, lengths, self.tcache, 0, width, self.capture)  # [B, Tq, V]
         if self.drafter is not None:
-            pos = lengths[:, None] + torch.arange(Tq, device=dev)
-            self.dcache.write(self.drafter.context_kv(hidden, pos), 0, lengths)
+            self._stash(hidden, Tq)
         n = sum(k_host)
         k_t = torch.tensor(k_host, device=dev)
         cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
@@ -412,6 +424,33 @@ class Engine:
         self.step_count += 1
         self._release(done)
         return outputs
+
+    def _stash(self, hidden: torch.Tensor, Tq: int) -> None:
+        """Keep the target hidden states [B, Tq, n * H] of this step's positions L .. L + Tq − 1 of
+        every running row until it drafts (positions past its new length are overwritten later).
+        Rows whose stash would overflow are flushed first."""
+        run, dev = self.running, self.device
+        if any(r.length - r.ctx_len + Tq > PENDING_WINDOW for r in run):
+            self._flush([i for i, r in enumerate(run) if r.length - r.ctx_len + Tq > PENDING_WINDOW])
+        B = len(run)
+        offs = torch.tensor([r.length - r.ctx_len for r in run], device=dev)            # [B]
+        rows = torch.arange(B, device=dev)[:, None].expand(B, Tq)
+        self.pending.index_put_((rows, offs[:, None] + torch.arange(Tq, device=dev)), hidden.to(self.pending.dtype))
+
+    def _flush(self, idx: list[int]) -> None:
+        """Write the drafter-context K/V of the stashed positions [ctx_len, L) of rows `idx`."""
+        run, dev = self.running, self.device
+        idx = [i for i in idx if run[i].length > run[i].ctx_len]
+        if not idx:
+            return
+        P = max(run[i].length - run[i].ctx_len for i in idx)
+        rows = torch.tensor(idx, device=dev)
+        start = torch.tensor([run[i].ctx_len for i in idx], device=dev)                  # [n]
+        pos = start[:, None] + torch.arange(P, device=dev)                               # [n, P]
+        # a row's entries past its own count land at positions >= L: masked, overwritten later
+        self.dcache.write_rows(self.drafter.context_kv(self.pending[rows, :P], pos), rows, start)
+        for i in idx:
+            run[i].ctx_len = run[i].length
 
     def _draft(self, drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r):
         """Denoise `[anchor, MASK x K]` for rows `drows` (sel: their indices, None = all rows).
@@ -520,7 +559,9 @@ class Engine:
                 moved = self.running[last]
                 self.tcache.move(last, i, moved.length + 1)
                 if self.dcache is not None:
-                    self.dcache.move(last, i, moved.length + 1)
+                    self.dcache.move(last, i, moved.ctx_len + 1)
+                    if moved.length > moved.ctx_len:
+                        self.pending[i, : moved.length - moved.ctx_len] = self.pending[last, : moved.length - moved.ctx_len]
                 self.acc_counts[i] = self.acc_counts[last]
                 self.reach_counts[i] = self.reach_counts[last]
                 self.running[i] = moved

@@ -50,6 +50,17 @@ class KVCache:
             self.k[i].transpose(1, 2).index_put_((rows, pos), k.transpose(1, 2).to(self.k[i].dtype))
             self.v[i].transpose(1, 2).index_put_((rows, pos), v.transpose(1, 2).to(self.v[i].dtype))
 
+    def write_rows(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+                   start: torch.Tensor) -> None:
+        """Like `write`, for any slots: rows [B] int64 slot indices, start [B] int64. Positions past
+        the cache end are clamped onto its last entry (callers only send such entries as padding)."""
+        B, kvh, T, d = layer_kv[0][0].shape
+        pos = (start[:, None] + torch.arange(T, device=start.device)).clamp(max=self.max_len - 1)  # [B, T]
+        slots = rows[:, None].expand(B, T)
+        for i, (k, v) in enumerate(layer_kv):
+            self.k[i].transpose(1, 2).index_put_((slots, pos), k.transpose(1, 2).to(self.k[i].dtype))
+            self.v[i].transpose(1, 2).index_put_((slots, pos), v.transpose(1, 2).to(self.v[i].dtype))
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (compaction on departure)."""
         if src == dst or length <= 0:

@@ -156,9 +156,9 @@ class PhaseProbe:
         self._wrap(engine_module, "verify", "acceptance")
         for name in ("choose_steps", "choose_verify", "observe"):
             self._wrap(eng.decisions, name, "decisions")
-        if eng.drafter is not None:
-            self._wrap(eng.drafter, "context_kv", "cache_commit")
-            self._wrap(eng.dcache, "write", "cache_commit")
+        if eng.drafter is not None:  # the lazy drafter-context commit: stash every step, flush to draft
+            self._wrap(eng, "_stash", "cache_commit")
+            self._wrap(eng, "_flush", "cache_commit")
         return self
 
     def __exit__(self, *exc):
