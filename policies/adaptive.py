@@ -191,6 +191,9 @@ class AdaptivePolicy(Policy):
         dev = draft.confidence.device
         rpp = rows_per_pass(draft.steps)
         max_s = len(rpp)
+        if max_s == 0:  # no row drafted: every row emits its one target token
+            zeros = torch.zeros(B, dtype=torch.int64, device=dev)
+            return make_verify_decision(zeros, draft.exact_rule, torch.zeros(B, device=dev), rows)
         if self._flat(B, K, rpp):
             # verification is free here (memory-bound): the greedy would admit every slot anyway
             k = torch.where(draft.steps > 0, K, 0).to(torch.int64)
