@@ -29,6 +29,7 @@ import torch
 
 DEFAULT_TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+OVERHEAD_SHARE = 0.5  # share of a measured step's residual that online correction gives the overhead
 
 
 class Table:
@@ -85,9 +86,17 @@ class Table:
         return i - 1, i, min(max(w, 0.0), 1.0)
 
     def nudge(self, x: float, residual: float, rate: float) -> None:
+        """Move the two points around ``x`` toward a measurement; the table stays non-decreasing
+        (a correction at one size never makes a larger size cheaper than a smaller one)."""
         lo, hi, w = self.weights(x)
-        self.ys[lo] = max(0.0, float(self.ys[lo]) + rate * (1 - w) * residual)
-        self.ys[hi] = max(0.0, float(self.ys[hi]) + rate * w * residual)
+        ys = self.ys.tolist()
+        ys[lo] = max(0.0, ys[lo] + rate * (1 - w) * residual)
+        ys[hi] = max(0.0, ys[hi] + rate * w * residual)
+        for j in range(hi + 1, len(ys)):
+            ys[j] = max(ys[j], ys[j - 1])
+        for j in range(lo - 1, -1, -1):
+            ys[j] = min(ys[j], ys[j + 1])
+        self.ys = torch.tensor(ys, dtype=torch.float64)
         self._version += 1
 
     def to_dict(self) -> dict:
@@ -165,7 +174,11 @@ class CostModel:
                 for r in rows:
                     self.draft_pass.nudge(r, resid, self.rate)
             return
-        self.verify.nudge(num_tokens, step_ms - self.step_ms_at(num_tokens, rows), self.rate)
+        # the residual of a whole step: half to the per-step overhead (what every step pays:
+        # decisions, bookkeeping), half to the verify table at this size (what depends on it)
+        resid = step_ms - self.step_ms_at(num_tokens, rows)
+        self.overhead_ms = max(0.0, self.overhead_ms + self.rate * OVERHEAD_SHARE * resid)
+        self.verify.nudge(num_tokens, (1.0 - OVERHEAD_SHARE) * resid, self.rate)
 
     # -- building the tables ----------------------------------------------------------------------
     @classmethod

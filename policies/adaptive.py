@@ -42,8 +42,8 @@ class AdaptivePolicy(Policy):
     name = "adaptive"
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
-                 sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.02,
-                 replan_every: int = 4, idle_decay: float = 0.85, **kwargs):
+                 sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
+                 replan_every: int = 8, idle_decay: float = 0.85, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -63,7 +63,7 @@ class AdaptivePolicy(Policy):
         self.idle_decay = float(idle_decay)
         # steps since each request last verified drafts, aligned with the batch (key = request ids)
         self._idle_key: tuple = ()
-        self._idle = torch.zeros(0)
+        self._idle: list[float] = []
         self._idle_map: dict[str, float] = {}
         self.mean_accept = 0.0  # EMA of the acceptance rate of verified drafts, over all rows
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
@@ -150,16 +150,15 @@ class AdaptivePolicy(Policy):
             prev_s = s
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
 
-    def _idle_steps(self, rows) -> torch.Tensor:
-        """[B] steps since each row last verified drafts (CPU float tensor, aligned with the batch)."""
+    def _idle_steps(self, rows) -> list[float]:
+        """Steps since each row last verified drafts (a list aligned with the batch)."""
         key = tuple(rows.request_ids)
         if key != self._idle_key:
-            for rid, n in zip(self._idle_key, self._idle.tolist()):
-                self._idle_map[rid] = n
+            self._idle_map.update(zip(self._idle_key, self._idle))
             live = set(key)
             if len(self._idle_map) > 4 * max(len(key), 64):
                 self._idle_map = {r: n for r, n in self._idle_map.items() if r in live}
-            self._idle = torch.tensor([self._idle_map.get(r, 0.0) for r in key], dtype=torch.float32)
+            self._idle = [self._idle_map.get(r, 0.0) for r in key]
             self._idle_key = key
         return self._idle
 
@@ -168,20 +167,20 @@ class AdaptivePolicy(Policy):
         ``1 − idle_decay^idle`` for rows that have not verified drafts for ``idle`` steps."""
         recent = rows.recent_accept.float().cpu()
         idle = self._idle_steps(rows)
-        if self.mean_accept <= 0 or not bool((idle > 0).any()):
+        if self.mean_accept <= 0 or not any(idle):
             return recent
-        pull = 1.0 - self.idle_decay ** idle
+        pull = 1.0 - self.idle_decay ** torch.tensor(idle)
         return torch.where(recent > 0, recent + (self.mean_accept - recent) * pull, recent)
 
     def observe(self, rows, outcome) -> None:
         super().observe(rows, outcome)
         t0 = time.thread_time()
-        verified = torch.as_tensor(outcome.verified).cpu()
+        verified = torch.as_tensor(outcome.verified).tolist()
         idle = self._idle_steps(rows)
-        self._idle = torch.where(verified > 0, torch.zeros_like(idle), idle + 1.0)
-        n = float(verified.sum())
+        self._idle = [0.0 if v > 0 else n + 1.0 for v, n in zip(verified, idle)]
+        n = sum(verified)
         if n > 0:
-            rate = float(torch.as_tensor(outcome.accepted).cpu().sum()) / n
+            rate = float(sum(torch.as_tensor(outcome.accepted).tolist())) / n
             self.mean_accept = rate if self.mean_accept <= 0 else 0.95 * self.mean_accept + 0.05 * rate
         self.decision_s += time.thread_time() - t0
 
@@ -195,7 +194,7 @@ class AdaptivePolicy(Policy):
             zeros = torch.zeros(B, dtype=torch.int64, device=dev)
             return make_verify_decision(zeros, draft.exact_rule, torch.zeros(B, device=dev), rows)
         if self._flat(B, K, rpp):
-            # verification is free here (memory-bound): the greedy would admit every slot anyway
+            # verification is nearly free here (memory-bound): verify every drafted slot
             k = torch.where(draft.steps > 0, K, 0).to(torch.int64)
             eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
             eps = torch.where(rows.temperature.to(dev) > 0, eps, torch.zeros_like(eps))
