@@ -28,7 +28,7 @@ _SETTINGS = {
     "batch-schedule": {"schedule", "steps", "rule"},
     "dspark": {"steps", "stop"},
     "adaptive": {"steps_grid", "allow_no_draft", "sla_weight", "sla_slack", "priority_weight", "flat_share",
-                 "replan_every"},
+                 "replan_every", "idle_decay", "no_draft_margin"},
     "explore": {"steps_grid", "lenient_share", "seed"},
 }
 

@@ -11,7 +11,8 @@ level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are a
 
 rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft: the row decodes
 autoregressively this step) is a candidate when ``allow_no_draft`` (default): with a weak drafter or
-a cheap target step, drafting may cost more than the tokens it wins. A row that has not verified
+a cheap target step, drafting may cost more than the tokens it wins (a row goes without drafts
+only where that is predicted to be ``no_draft_margin`` better). A row that has not verified
 drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen while it does not
 draft) pulled toward the batch-wide mean by ``1 − idle_decay^n``, so it is offered drafting again.
 
@@ -43,7 +44,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 8, idle_decay: float = 0.85, **kwargs):
+                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -61,6 +62,9 @@ class AdaptivePolicy(Policy):
         if not 0.0 <= idle_decay <= 1.0:
             raise ValueError(f"idle_decay: must be in [0, 1], got {idle_decay!r}")
         self.idle_decay = float(idle_decay)
+        if no_draft_margin < 0:
+            raise ValueError(f"no_draft_margin: must be >= 0, got {no_draft_margin!r}")
+        self.no_draft_margin = float(no_draft_margin)
         # steps since each request last verified drafts, aligned with the batch (key = request ids)
         self._idle_key: tuple = ()
         self._idle: list[float] = []
@@ -141,6 +145,10 @@ class AdaptivePolicy(Policy):
             ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * self.cost.draft_ms(n)
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
+            if i == 0 and self.allow_no_draft:
+                # drafting stays the default: rows stay without drafts only where that is predicted
+                # to be at least `no_draft_margin` better (the prior is noisy for a single row)
+                theta[0] = theta[0] / (1.0 + self.no_draft_margin)
             n_star = int(torch.argmax(theta[: count + 1]))
             if n_star == 0:
                 break
