@@ -96,10 +96,10 @@ def _prompts(kind: str, engine, n: int, length: int, seed: int) -> list[list[int
 def _settings(quick: bool) -> dict:
     if quick:
         return {"trace_loads": (1, 8), "trace_requests": 16, "replay_loads": (1, 4, 16, 64), "replay_requests": 96,
-                "live_loads": (1, 4, 16), "live_requests": lambda c: max(8, 2 * c), "max_tokens": 32,
-                "prompt_len": 48, "rounds": 3}
+                "live_loads": (1, 4, 16), "live_requests": lambda c: max(16, 2 * c), "max_tokens": 32,
+                "prompt_len": 48, "rounds": 5}
     return {"trace_loads": (1, 8, 32), "trace_requests": 48, "replay_loads": (1, 2, 4, 8, 16, 32, 64),
-            "replay_requests": 256, "live_loads": (1, 4, 16, 64), "live_requests": lambda c: max(16, 2 * c),
+            "replay_requests": 256, "live_loads": (1, 4, 16, 64), "live_requests": lambda c: max(24, 2 * c),
             "max_tokens": 64, "prompt_len": 64, "rounds": 3}
 
 
