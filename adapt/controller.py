@@ -78,7 +78,7 @@ def reload(decision_maker, policy, keep_cost: bool = False) -> str:
 
 @torch.inference_mode()
 def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_ROW_GRID[:7],
-                   context: int = 64, repeats: int = 3, overhead_steps: int = 8) -> CostModel:
+                   context: int = 64, repeats: int = 5, overhead_steps: int = 12) -> CostModel:
     """Time ``engine``'s target forward per token count and drafter pass per row count, then the
     per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
 

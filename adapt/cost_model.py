@@ -110,6 +110,13 @@ class Table:
             raise ValueError(f"{name}: expected {{'x': [...], 'ms': [...]}} ({exc})") from None
 
 
+def _monotone(times: Sequence[float]) -> np.ndarray:
+    """Timings on an increasing grid made non-decreasing by a running minimum from the right: a
+    hiccup (page faults, another process) at one small size cannot inflate every size above it,
+    as a running maximum from the left would."""
+    return np.minimum.accumulate(np.asarray(times, dtype=np.float64)[::-1])[::-1]
+
+
 class CostModel:
     """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
 
@@ -184,7 +191,7 @@ class CostModel:
     @classmethod
     def profile(cls, verify_fn: Callable[[int], None], draft_fn: Callable[[int], None] | None = None,
                 token_grid: Sequence[int] = DEFAULT_TOKEN_GRID[:9], row_grid: Sequence[int] = DEFAULT_ROW_GRID[:7],
-                repeats: int = 3, sync: Callable[[], None] | None = None) -> "CostModel":
+                repeats: int = 5, sync: Callable[[], None] | None = None) -> "CostModel":
         """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` on a grid (median of ``repeats``)."""
 
         def timed(fn, arg) -> float:
@@ -200,10 +207,10 @@ class CostModel:
                 samples.append((time.perf_counter() - t0) * 1e3)
             return float(np.median(samples))
 
-        verify = Table(token_grid, np.maximum.accumulate([timed(verify_fn, n) for n in token_grid]), "cost.verify")
+        verify = Table(token_grid, _monotone([timed(verify_fn, n) for n in token_grid]), "cost.verify")
         draft = None
         if draft_fn is not None:
-            draft = Table(row_grid, np.maximum.accumulate([timed(draft_fn, n) for n in row_grid]), "cost.draft_pass")
+            draft = Table(row_grid, _monotone([timed(draft_fn, n) for n in row_grid]), "cost.draft_pass")
         return cls(verify, draft, source="profile")
 
     @classmethod
