@@ -47,7 +47,8 @@ def seeds_of(commands: list[str]) -> dict:
     for cmd in commands:
         words = shlex.split(cmd)
         if "--seed" in words:
-            name = "target" if "workers.training.target" in cmd else "drafter" if "train-drafter" in cmd else cmd[:40]
+            name = ("target" if "workers.training.target" in cmd else "drafter" if "train-drafter" in cmd
+                    else "policy" if "bench policies" in cmd else cmd[:40])
             seeds[name] = int(words[words.index("--seed") + 1])
     return seeds
 
