@@ -12,8 +12,7 @@ level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are a
 rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft: the row decodes
 autoregressively this step) is a candidate when ``allow_no_draft`` (default): with a weak drafter or
 a cheap target step, drafting may cost more than the tokens it wins (a row goes without drafts
-only where that is predicted to be ``no_draft_margin`` better; a request that has never verified
-drafts always drafts once, so that its own acceptance is measured). A row that has not verified
+only where that is predicted to be ``no_draft_margin`` better). A row that has not verified
 drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen while it does not
 draft) pulled toward the batch-wide mean by ``1 − idle_decay^n``, so it is offered drafting again.
 
@@ -71,7 +70,6 @@ class AdaptivePolicy(Policy):
         self._idle: list[float] = []
         self._idle_map: dict[str, float] = {}
         self.mean_accept = 0.0  # EMA of the acceptance rate of verified drafts, over all rows
-        self._drafted: set[str] = set()  # requests that have verified drafts at least once
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
@@ -158,10 +156,6 @@ class AdaptivePolicy(Policy):
             cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
-        # a request that has never verified drafts drafts once (a probe): its recent acceptance is
-        # then measured, not the population prior's guess
-        fresh = torch.tensor([rid not in self._drafted for rid in rows.request_ids], device=dev)
-        level = torch.where(fresh & (level < 0), torch.zeros_like(level), level)
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
 
     def _idle_steps(self, rows) -> list[float]:
@@ -190,9 +184,6 @@ class AdaptivePolicy(Policy):
         super().observe(rows, outcome)
         t0 = time.thread_time()
         verified = torch.as_tensor(outcome.verified).tolist()
-        self._drafted.update(rid for rid, v in zip(rows.request_ids, verified) if v > 0)
-        if len(self._drafted) > 4 * max(len(rows.request_ids), 1024):
-            self._drafted &= set(rows.request_ids)
         idle = self._idle_steps(rows)
         self._idle = [0.0 if v > 0 else n + 1.0 for v, n in zip(verified, idle)]
         n = sum(verified)
