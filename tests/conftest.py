@@ -29,6 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def refit_from_redis(redis_url: str, out) -> int:
+    """`adapt policy fit --from-redis URL --out OUT --push`, as the CLI runs it: the exit status."""
+    import argparse
+
+    from adapt.serving.policy_commands import run_fit_from_redis
+
+    return run_fit_from_redis(argparse.Namespace(from_redis=redis_url, count=None, push=True, out=str(out)))
+
+
 def _redis_server_binary() -> str:
     path = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
     if path is None:

@@ -76,14 +76,12 @@ def test_disconnect_frees_the_slot(local):
 
 def test_refit_from_the_trace_stream_is_hot_reloaded(local, redis_server, tmp_path):
     from adapt import policy_file
-    from adapt.serving.policy_commands import run_fit_from_redis
+    from tests.conftest import refit_from_redis
 
     url, worker, store = local
     time.sleep(0.5)  # the trace sink flushes every 0.2 s
     assert store.trace_len() >= 50
-    args = type("Args", (), {"from_redis": redis_server.url, "count": None, "push": True,
-                             "out": str(tmp_path / "refit.json")})
-    assert run_fit_from_redis(args) == 0
+    assert refit_from_redis(redis_server.url, tmp_path / "refit.json") == 0
     refit = policy_file.load(tmp_path / "refit.json")
     assert refit.report["source"] == "trace stream" and refit.report["records_used"] >= 50
     version = store.policy_version()

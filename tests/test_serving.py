@@ -317,7 +317,7 @@ def test_policy_push_hot_reloads_and_corrupt_push_is_rejected(stack, redis_serve
     # refit from the Redis trace stream and publish. The adaptive policy rarely drafts with the
     # barely trained tiny drafter, so log exploration traces first (the `explore` policy drafts
     # the full block with varied steps), as one would before a refit on a live cluster.
-    from adapt.serving.policy_commands import run_fit_from_redis
+    from tests.conftest import refit_from_redis
 
     explore_path = tmp_path / "explore.json"
     policy_file.save(policy_file.PolicyFile(policy="explore", settings={}), explore_path)
@@ -338,9 +338,7 @@ def test_policy_push_hot_reloads_and_corrupt_push_is_rejected(stack, redis_serve
                           json={"prompt": f"more traces {i}", "max_tokens": 32, "temperature": 0}, timeout=60)
         assert resp.status_code == 200
     _wait(lambda: drafted_exact() >= 30, 15, "the trace stream to hold 30 drafted exact-rule records")
-    fit_args = type("Args", (), {"from_redis": redis_server.url, "count": None, "push": True,
-                                 "out": str(tmp_path / "refit.json")})
-    assert run_fit_from_redis(fit_args) == 0
+    assert refit_from_redis(redis_server.url, tmp_path / "refit.json") == 0
     refit = policy_file.load(tmp_path / "refit.json")
     assert refit.report["source"] == "trace stream" and refit.report["exact_records"] >= 20
     new_version = store.policy_version()
