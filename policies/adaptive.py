@@ -65,10 +65,6 @@ class AdaptivePolicy(Policy):
         if no_draft_margin < 0:
             raise ValueError(f"no_draft_margin: must be >= 0, got {no_draft_margin!r}")
         self.no_draft_margin = float(no_draft_margin)
-        # steps since each request last verified drafts, aligned with the batch (key = request ids)
-        self._idle_key: tuple = ()
-        self._idle: list[float] = []
-        self._idle_map: dict[str, float] = {}
         self.mean_accept = 0.0  # EMA of the acceptance rate of verified drafts, over all rows
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
@@ -113,7 +109,7 @@ class AdaptivePolicy(Policy):
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
         temp = rows.temperature.to(dev)
-        recent = self._recent(rows).to(dev)                                           # [B]
+        recent = self._recent(rows, ctx["idle"]).to(dev)                              # [B]
         grid = torch.tensor(self.steps_grid, device=dev)                              # [S]
         S = grid.numel()
         cond = (grid[None, :] <= 1) | ctx["left_to_right"][:, None]                   # [B, S]
@@ -158,37 +154,21 @@ class AdaptivePolicy(Policy):
             prev_s = s
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
 
-    def _idle_steps(self, rows) -> list[float]:
-        """Steps since each row last verified drafts (a list aligned with the batch)."""
-        key = tuple(rows.request_ids)
-        if key != self._idle_key:
-            self._idle_map.update(zip(self._idle_key, self._idle))
-            live = set(key)
-            if len(self._idle_map) > 4 * max(len(key), 64):
-                self._idle_map = {r: n for r, n in self._idle_map.items() if r in live}
-            self._idle = [self._idle_map.get(r, 0.0) for r in key]
-            self._idle_key = key
-        return self._idle
-
-    def _recent(self, rows) -> torch.Tensor:
+    def _recent(self, rows, idle: torch.Tensor) -> torch.Tensor:
         """[B] recent acceptance as the prior should read it: pulled toward the batch-wide mean by
-        ``1 − idle_decay^idle`` for rows that have not verified drafts for ``idle`` steps."""
+        ``1 − idle_decay^idle`` for rows that have not verified drafts for ``idle`` [B] steps."""
         recent = rows.recent_accept.float().cpu()
-        idle = self._idle_steps(rows)
-        if self.mean_accept <= 0 or not any(idle):
+        if self.mean_accept <= 0 or not bool((idle > 0).any()):
             return recent
-        pull = 1.0 - self.idle_decay ** torch.tensor(idle)
+        pull = 1.0 - self.idle_decay ** idle.cpu()
         return torch.where(recent > 0, recent + (self.mean_accept - recent) * pull, recent)
 
     def observe(self, rows, outcome) -> None:
         super().observe(rows, outcome)
         t0 = time.thread_time()
-        verified = torch.as_tensor(outcome.verified).tolist()
-        idle = self._idle_steps(rows)
-        self._idle = [0.0 if v > 0 else n + 1.0 for v, n in zip(verified, idle)]
-        n = sum(verified)
+        n = float(torch.as_tensor(outcome.verified).sum())
         if n > 0:
-            rate = float(sum(torch.as_tensor(outcome.accepted).tolist())) / n
+            rate = float(torch.as_tensor(outcome.accepted).sum()) / n
             self.mean_accept = rate if self.mean_accept <= 0 else 0.95 * self.mean_accept + 0.05 * rate
         self.decision_s += time.thread_time() - t0
 

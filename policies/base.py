@@ -124,7 +124,7 @@ class Policy:
         accepted = torch.as_tensor(outcome.accepted).cpu()
         step_ms = outcome_ms(outcome)
         emitted = accepted + 1
-        self.book.observe(rows, emitted, step_ms)
+        self.book.observe(rows, emitted, step_ms, torch.as_tensor(outcome.verified).cpu())
         if step_ms > 0:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate

@@ -54,7 +54,8 @@ def row_info(knobs, targets) -> RowInfo:
 
 
 class RequestBook:
-    """Per-request memory of a policy: targets read once, decode time and tokens so far.
+    """Per-request memory of a policy: targets read once, decode time and tokens so far, and the
+    steps since the request last verified drafts (*idle* steps).
 
     ``observe`` adds each step's time to every row in it and the row's emitted tokens; the
     lateness of a request is ``(elapsed / tokens) / tpot_target``. While the batch keeps the same
@@ -67,6 +68,7 @@ class RequestBook:
         self.info: dict[str, RowInfo] = {}
         self.elapsed_ms: dict[str, float] = {}
         self.tokens: dict[str, float] = {}
+        self.idle_steps: dict[str, float] = {}
         self.last_seen: dict[str, int] = {}
         self.tick = 0
         self.forget_after = forget_after
@@ -74,12 +76,13 @@ class RequestBook:
         self.static: dict[str, torch.Tensor] = {}
         self.elapsed = torch.zeros(0)
         self.count = torch.zeros(0)
+        self.idle = torch.zeros(0)
 
     def _flush(self) -> None:
         """Write the running tensors of the current batch back to the dictionaries."""
         if self.key:
-            for rid, e, n in zip(self.key, self.elapsed.tolist(), self.count.tolist()):
-                self.elapsed_ms[rid], self.tokens[rid] = e, n
+            for rid, e, n, i in zip(self.key, self.elapsed.tolist(), self.count.tolist(), self.idle.tolist()):
+                self.elapsed_ms[rid], self.tokens[rid], self.idle_steps[rid] = e, n, i
                 self.last_seen[rid] = self.tick
 
     def _load(self, rows) -> None:
@@ -102,6 +105,7 @@ class RequestBook:
         }
         self.elapsed = torch.tensor([self.elapsed_ms.get(r, 0.0) for r in key], dtype=torch.float32)
         self.count = torch.tensor([self.tokens.get(r, 0.0) for r in key], dtype=torch.float32)
+        self.idle = torch.tensor([self.idle_steps.get(r, 0.0) for r in key], dtype=torch.float32)
         self.key = key
         self._forget()
 
@@ -110,28 +114,31 @@ class RequestBook:
             live = set(self.key)
             stale = [r for r in self.info if r not in live and self.tick - self.last_seen.get(r, 0) > self.forget_after]
             for r in stale:
-                for d in (self.info, self.elapsed_ms, self.tokens, self.last_seen):
+                for d in (self.info, self.elapsed_ms, self.tokens, self.idle_steps, self.last_seen):
                     d.pop(r, None)
 
     def tensors(self, rows, device) -> dict[str, torch.Tensor]:
-        """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness."""
+        """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
         measured = self.elapsed / self.count.clamp_min(1.0)
         lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
-               "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness}
+               "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
+               "idle": self.idle}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
         return out
 
-    def observe(self, rows, emitted: torch.Tensor, step_ms: float) -> None:
-        """emitted: [B] tokens each row received this step."""
+    def observe(self, rows, emitted: torch.Tensor, step_ms: float, verified: torch.Tensor | None = None) -> None:
+        """emitted: [B] tokens each row received this step; verified: [B] drafts it verified."""
         self.tick += 1
         self._load(rows)
         self.elapsed += step_ms
         self.count += emitted.float()
+        if verified is not None:
+            self.idle = torch.where(verified > 0, torch.zeros_like(self.idle), self.idle + 1.0)
 
 
 def exact_rules(temperature: torch.Tensor, steps: torch.Tensor, left_to_right: torch.Tensor) -> torch.Tensor:

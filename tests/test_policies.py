@@ -219,7 +219,7 @@ def test_adaptive_offers_drafting_again_to_rows_that_stopped():
     # row 0 verified drafts, row 1 did not, for 6 steps
     for _ in range(6):
         p.observe(rows, StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
-    recent = p._recent(rows)
+    recent = p._recent(rows, p._ctx(rows, "cpu")["idle"])
     assert recent[0] < 0.2 and recent[1] > 0.6  # the idle row reads close to the batch-wide mean
     with pytest.raises(ValueError, match="idle_decay"):
         policies.get("adaptive", idle_decay=1.5)

@@ -35,15 +35,14 @@ import torch
 from kernels import Rule, verify
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
-
-# rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
-USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 from workers.decisions import DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome, exact_rules
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
 from workers.target_model import load_target, resolve_dtype
 
+# rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
+USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -430,8 +429,9 @@ class Engine:
         every running row until it drafts (positions past its new length are overwritten later).
         Rows whose stash would overflow are flushed first."""
         run, dev = self.running, self.device
-        if any(r.length - r.ctx_len + Tq > PENDING_WINDOW for r in run):
-            self._flush([i for i, r in enumerate(run) if r.length - r.ctx_len + Tq > PENDING_WINDOW])
+        full = [i for i, r in enumerate(run) if r.length - r.ctx_len + Tq > PENDING_WINDOW]
+        if full:
+            self._flush(full)
         B = len(run)
         offs = torch.tensor([r.length - r.ctx_len for r in run], device=dev)            # [B]
         rows = torch.arange(B, device=dev)[:, None].expand(B, Tq)

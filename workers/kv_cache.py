@@ -41,22 +41,23 @@ class KVCache:
     def write(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], row0: int, start: torch.Tensor) -> None:
         """Write new entries for rows `row0 ..`: layer_kv per layer (k, v) each [B, kvh, T, d], row r's
         entry t at position start[r] + t (start [B] int64)."""
-        B, kvh, T, d = layer_kv[0][0].shape
+        T = layer_kv[0][0].shape[2]
         pos = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
-        rows = torch.arange(row0, row0 + B, device=start.device)[:, None].expand(B, T)  # [B, T]
-        # index_put_ on the [max_batch, max_len, kvh, d] view; scatter_ into a strided view of the
-        # cache costs ~30 µs per row and layer on CPU, this a few µs in all
-        for i, (k, v) in enumerate(layer_kv):
-            self.k[i].transpose(1, 2).index_put_((rows, pos), k.transpose(1, 2).to(self.k[i].dtype))
-            self.v[i].transpose(1, 2).index_put_((rows, pos), v.transpose(1, 2).to(self.v[i].dtype))
+        self._put(layer_kv, torch.arange(row0, row0 + len(start), device=start.device), pos)
 
     def write_rows(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor,
                    start: torch.Tensor) -> None:
         """Like `write`, for any slots: rows [B] int64 slot indices, start [B] int64. Positions past
         the cache end are clamped onto its last entry (callers only send such entries as padding)."""
-        B, kvh, T, d = layer_kv[0][0].shape
+        T = layer_kv[0][0].shape[2]
         pos = (start[:, None] + torch.arange(T, device=start.device)).clamp(max=self.max_len - 1)  # [B, T]
-        slots = rows[:, None].expand(B, T)
+        self._put(layer_kv, rows, pos)
+
+    def _put(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """layer_kv per layer (k, v) each [B, kvh, T, d] into slots rows [B] at positions pos [B, T].
+        index_put_ on the [max_batch, max_len, kvh, d] view: a scatter_ into a strided view of the
+        cache costs ~30 µs per row and layer on CPU, this a few µs in all."""
+        slots = rows[:, None].expand_as(pos)
         for i, (k, v) in enumerate(layer_kv):
             self.k[i].transpose(1, 2).index_put_((slots, pos), k.transpose(1, 2).to(self.k[i].dtype))
             self.v[i].transpose(1, 2).index_put_((slots, pos), v.transpose(1, 2).to(self.v[i].dtype))

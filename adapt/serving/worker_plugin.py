@@ -46,16 +46,18 @@ def validate_policy_doc(doc: Any):
     return policy_file.loads(text)
 
 
-def decisions_from_policy(policy: Any, block_size: int | None = None, cost: Any = None):
-    """A `DecisionMaker` for a loaded `PolicyFile` (`adapt.controller.build_policy`); ``cost``: the
-    worker's own profiled `CostModel` (a copy is handed in), else the file's."""
+def decisions_from_policy(policy: Any, block_size: int | None = None, cost: Any = None,
+                          name: str | None = None):
+    """A `DecisionMaker` for a loaded `PolicyFile` (`adapt.controller.build_policy`), or for the
+    registry policy ``name`` when ``policy`` is None; ``cost``: the worker's own profiled
+    `CostModel` (a copy is handed in), else the file's (or the policy's stand-in)."""
     from adapt.controller import build_policy
     from adapt.cost_model import CostModel
 
     extra = {} if not block_size else {"block_size": int(block_size)}
     if cost is not None:
         extra["cost"] = CostModel.from_dict(cost.to_dict())
-    return build_policy(policy=policy, **extra)
+    return build_policy(name=name, policy=policy, **extra)
 
 
 def _reload_in_place(current: Any, policy: Any, keep_cost: bool = False) -> bool:
@@ -140,14 +142,7 @@ class ServingPlugin:
                 self._rejected[version] = str(exc)
                 log.error("current policy version %d rejected: %s", version, exc)
         if self.policy_name:
-            from adapt.controller import build_policy
-
-            from adapt.cost_model import CostModel
-
-            extra = {} if not self.block_size else {"block_size": self.block_size}
-            if self.cost is not None:
-                extra["cost"] = CostModel.from_dict(self.cost.to_dict())
-            return build_policy(name=self.policy_name, **extra)
+            return decisions_from_policy(None, self.block_size, self.cost, name=self.policy_name)
         return None
 
     def trace_sink(self) -> StoreTraceSink:
