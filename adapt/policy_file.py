@@ -4,7 +4,7 @@ A *policy* is plain JSON (never pickle), so that workers can hot-reload one publ
 Redis without deserialising code-bearing data:
 
 ```json
-{"schema": "adapt-policy", "schema_version": 1, "version": "20261130T061500-3f2a9c1b",
+{"schema": "adapt-policy", "schema_version": 2, "version": "20261130T061500-3f2a9c1b",
  "created": 1764483300.0, "policy": "adaptive",
  "predictor": {"draft": {...}, "prior": {...}},      # adapt.predictor.AcceptancePredictor.to_dict
  "cost": {"verify": {...}, "draft_pass": {...}},     # adapt.cost_model.CostModel.to_dict
@@ -31,7 +31,7 @@ from adapt.cost_model import CostModel
 from adapt.predictor import AcceptancePredictor
 
 SCHEMA = "adapt-policy"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: recent acceptance per position, predictor.typical_recent
 
 
 class PolicyFileError(ValueError):

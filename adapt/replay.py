@@ -37,6 +37,7 @@ import torch
 
 from adapt.targets import RequestTargets
 from adapt.trace_data import K_MAX, TraceTable
+from workers.decisions import RECENT_NONE, next_recent_accept
 
 _EPS_RULE = 3
 _MATCH_RULE = 2
@@ -130,7 +131,7 @@ class _SimRequest:
     source: str
     knobs: object
     generated: int = 0
-    recent: float = 0.0
+    recent: float = RECENT_NONE
     verified: int = 0
     tvd: float = 0.0
     elapsed_ms: float = 0.0
@@ -247,7 +248,7 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
             tokens_total += emitted
             if kk:
                 r.verified += kk
-                r.recent = a / kk if r.verified == kk else 0.7 * r.recent + 0.3 * a / kk
+                r.recent = next_recent_accept(r.recent, a, kk)
                 r.lenient = bool(lenient) if r.spec.temperature > 0 and not r.spec.targets.quality.lossless else False
             (finished if r.generated >= r.spec.max_tokens else still).append(r)
         active = still

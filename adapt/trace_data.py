@@ -23,6 +23,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from workers.decisions import RECENT_NONE
+from workers.traces import TRACE_VERSION
+
 K_MAX = 16  # widest drafted block the contracts allow
 
 REQUIRED = ("request_id", "step", "steps", "draft_len", "rule", "temperature", "accepted", "accept_flags")
@@ -140,6 +143,11 @@ class TraceTable:
             return np.array([r.get(field, default) if r.get(field) is not None else default for r in records],
                             dtype=dtype)
 
+        version = col("v", TRACE_VERSION, np.int64)
+        if (version != TRACE_VERSION).any():
+            i = int(np.argmax(version != TRACE_VERSION))
+            raise TraceError(f"traces: record {i}: field 'v' is {version[i]}, this build reads {TRACE_VERSION} "
+                             f"(version 1 traces measured recent_accept differently: collect new traces)")
         flags = _padded(records, "accept_flags", -1, np.int8)
         draft_len = col("draft_len", 0, np.int64)
         j = np.arange(K_MAX)[None, :]
@@ -155,7 +163,7 @@ class TraceTable:
             position=col("position", 0, np.int64),
             generated=col("generated", 0, np.int64),
             temperature=col("temperature", 0.0, np.float32),
-            recent_accept=col("recent_accept", 0.5, np.float32),
+            recent_accept=col("recent_accept", RECENT_NONE, np.float32),
             batch_size=col("batch_size", 1, np.int64),
             num_tokens=col("num_tokens", 0, np.int64),
             steps=col("steps", 0, np.int64),

@@ -12,9 +12,13 @@ level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are a
 rises (the DSpark greedy, generalised from slots to steps). ``s = 0`` (no draft: the row decodes
 autoregressively this step) is a candidate when ``allow_no_draft`` (default): with a weak drafter or
 a cheap target step, drafting may cost more than the tokens it wins (a row goes without drafts
-only where that is predicted to be ``no_draft_margin`` better). A row that has not verified
-drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen while it does not
-draft) pulled toward the batch-wide mean by ``1 − idle_decay^n``, so it is offered drafting again.
+only where that is predicted to be ``no_draft_margin`` better). A row that has not verified any
+draft yet reads as the *typical* recent acceptance of its temperature class (greedy or sampled,
+fitted on traces that drafted every row: `AcceptancePredictor.typical_recent`; not updated from
+what this policy observes, which only sees the rows it chose to draft); a row that has
+not verified drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen
+while it does not draft) pulled toward that typical value by ``1 − idle_decay^n``, so it is
+offered drafting again whenever typical rows of its class are worth drafting.
 
 After drafting (`_verify`): each ε row gets the ε-TVD rule with its leniency (its ε, capped by
 the total budget left, only where the draft probabilities are true conditionals and T > 0);
@@ -28,7 +32,6 @@ positions ``≤ j`` (non-anticipating).
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -44,7 +47,8 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
+                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
+                 probe_every: int = 16, probe_tolerance: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -65,7 +69,12 @@ class AdaptivePolicy(Policy):
         if no_draft_margin < 0:
             raise ValueError(f"no_draft_margin: must be >= 0, got {no_draft_margin!r}")
         self.no_draft_margin = float(no_draft_margin)
-        self.mean_accept = 0.0  # EMA of the acceptance rate of verified drafts, over all rows
+        if not isinstance(probe_every, int) or probe_every < 0:
+            raise ValueError(f"probe_every: must be an integer >= 0 (0 = never probe), got {probe_every!r}")
+        if not 0.0 <= probe_tolerance < 1.0:
+            raise ValueError(f"probe_tolerance: must be in [0, 1), got {probe_tolerance!r}")
+        self.probe_every, self.probe_tolerance = probe_every, float(probe_tolerance)
+        self.typical: torch.Tensor | None = None  # [2] typical recent acceptance, greedy / sampled (from the predictor)
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
@@ -109,7 +118,7 @@ class AdaptivePolicy(Policy):
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
         temp = rows.temperature.to(dev)
-        recent = self._recent(rows, ctx["idle"]).to(dev)                              # [B]
+        recent = self._recent(rows, ctx["idle"], pred).to(dev)                        # [B]
         grid = torch.tensor(self.steps_grid, device=dev)                              # [S]
         S = grid.numel()
         cond = (grid[None, :] <= 1) | ctx["left_to_right"][:, None]                   # [B, S]
@@ -129,7 +138,7 @@ class AdaptivePolicy(Policy):
             cur_gain, cur_tok, prev_s, first = gain[:, 0].clone(), toks[:, 0].clone(), self.steps_grid[0], 1
             level = torch.zeros(B, dtype=torch.int64, device=dev)
             fixed_draft = prev_s * self.cost.draft_ms_at([B])
-        n = torch.arange(B + 1, dtype=torch.float64)[:, None]                         # [B+1, 1]
+        pass_ms = self.cost.draft_ms(torch.arange(B + 1, dtype=torch.float64)[:, None])  # [B+1]: a pass of n rows
         for i in range(first, S):
             s = self.steps_grid[i]
             eligible = level == i - 1
@@ -138,7 +147,7 @@ class AdaptivePolicy(Policy):
             d_tok = (toks[:, i] - cur_tok)[order].cpu()
             g = torch.cat([torch.zeros(1), d_gain[order].cpu().cumsum(0)])              # [B+1]
             t = torch.cat([torch.zeros(1), d_tok.cumsum(0)])
-            ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * self.cost.draft_ms(n)
+            ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * pass_ms
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
             if i == 0 and self.allow_no_draft:
@@ -152,25 +161,65 @@ class AdaptivePolicy(Policy):
             cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
+        if self.allow_no_draft and self.probe_every > 0:
+            level = self._probe(level, ctx["idle"].to(dev), gain[:, 0], toks[:, 0], cur_gain, cur_tok)
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
 
-    def _recent(self, rows, idle: torch.Tensor) -> torch.Tensor:
-        """[B] recent acceptance as the prior should read it: pulled toward the batch-wide mean by
-        ``1 − idle_decay^idle`` for rows that have not verified drafts for ``idle`` [B] steps."""
-        recent = rows.recent_accept.float().cpu()
-        if self.mean_accept <= 0 or not bool((idle > 0).any()):
-            return recent
-        pull = 1.0 - self.idle_decay ** idle.cpu()
-        return torch.where(recent > 0, recent + (self.mean_accept - recent) * pull, recent)
+    def _plan_ms(self, level: torch.Tensor, tokens: float) -> float:
+        """Step time of a plan: ``level`` [B] (-1 = no draft, i = steps_grid[i]), ``tokens`` verified."""
+        ms, prev = self.cost.step_ms_at(tokens), 0
+        for i, s in enumerate(self.steps_grid):
+            n = int((level >= i).sum())
+            if n == 0:
+                break
+            ms += (s - prev) * self.cost.draft_ms_at([n])
+            prev = s
+        return ms
 
-    def observe(self, rows, outcome) -> None:
-        super().observe(rows, outcome)
-        t0 = time.thread_time()
-        n = float(torch.as_tensor(outcome.verified).sum())
-        if n > 0:
-            rate = float(torch.as_tensor(outcome.accepted).sum()) / n
-            self.mean_accept = rate if self.mean_accept <= 0 else 0.95 * self.mean_accept + 0.05 * rate
-        self.decision_s += time.thread_time() - t0
+    def _probe(self, level, idle, gain1, tok1, cur_gain, cur_tok) -> torch.Tensor:
+        """*Probing*: a row that has not verified drafts for ``probe_every`` steps drafts again (at
+        the first grid step) when that costs the batch's weighted rate at most ``probe_tolerance``
+        (best-gain rows first). A row that never drafts never measures its own acceptance, and
+        acceptance comes in stretches (a repetitive passage accepts whole blocks); probing is how
+        the policy finds them where exploring is nearly free (one request, cheap drafter passes)
+        and never where it is not (a drafter pass for a few rows of a large batch)."""
+        cand = (level < 0) & (idle >= self.probe_every)
+        if not bool(cand.any()):
+            return level
+        base_gain, base_tok = float(cur_gain.sum()), float(cur_tok.sum())
+        floor = (1.0 - self.probe_tolerance) * base_gain / max(self._plan_ms(level, base_tok), 1e-6)
+        order = torch.argsort(torch.where(cand, gain1 - cur_gain, torch.full_like(gain1, -1e9)), descending=True)
+        order = order[: int(cand.sum())]
+        d_gain = (gain1 - cur_gain)[order].cpu().cumsum(0)                            # [n]
+        d_tok = (tok1 - cur_tok)[order].cpu().cumsum(0)
+        # the plan's drafter passes, with the first one widened by the probed rows
+        s1, n1 = self.steps_grid[0], int((level >= 0).sum())
+        others = self._plan_ms(level, 0.0) - self.cost.step_ms_at(0.0) - s1 * self.cost.draft_ms_at([n1])
+        first = torch.tensor([s1 * self.cost.draft_ms_at([n1 + n]) for n in range(1, len(order) + 1)],
+                             dtype=torch.float64)                                         # [n]
+        ms = self.cost.step_ms(base_tok + d_tok) + others + first
+        ok = ((base_gain + d_gain) / ms.float() >= floor).nonzero()
+        if len(ok) == 0:
+            return level
+        chosen = order[: int(ok[-1]) + 1]
+        level = level.clone()
+        level[chosen] = 0
+        return level
+
+    def _typical(self, pred) -> torch.Tensor:
+        if self.typical is None:
+            t = getattr(pred, "typical_recent", None)
+            self.typical = t.detach().float().cpu().clone() if t is not None else torch.full((2,), 0.5)
+        return self.typical
+
+    def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
+        """[B] recent acceptance as the prior should read it: the class's typical value for rows
+        without verified drafts; pulled toward it by ``1 − idle_decay^idle`` for rows that have not
+        verified drafts for ``idle`` [B] steps."""
+        recent = rows.recent_accept.float().cpu()
+        typical = self._typical(pred)[(rows.temperature.cpu() > 0).long()]            # [B]
+        pull = 1.0 - self.idle_decay ** idle.cpu()
+        return torch.where(recent >= 0, recent + (typical - recent) * pull, typical)
 
     # -- after drafting ----------------------------------------------------------------------------
     def _verify(self, rows, draft, ctx):

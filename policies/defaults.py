@@ -33,7 +33,7 @@ class ConfidenceSurvival:
     def prior_survival(self, steps, K, temperature, recent_accept, match, eps=None):
         B, S = recent_accept.shape[0], steps.shape[0]
         r = recent_accept.float()
-        r = torch.where(r > 0, r, torch.full_like(r, 0.5)).clamp(0.05, 0.95)  # 0 = nothing verified yet
+        r = torch.where(r >= 0, r, torch.full_like(r, 0.5)).clamp(0.05, 0.95)  # < 0: nothing verified yet
         c = r[:, None, None].expand(B, S, K)                                    # [B, S, K]
         if eps is not None and eps.dim() == 1:
             eps = eps[:, None]

@@ -13,6 +13,9 @@ import json
 
 import numpy as np
 
+from workers.decisions import RECENT_NONE, next_recent_accept
+from workers.traces import TRACE_VERSION
+
 
 def synthetic_records(num_requests: int = 60, steps_per_request: int = 30, K: int = 8, seed: int = 0,
                       step_grid=(1, 2, 3, 4), eps_grid=(0.0,), temperature: float = 0.7,
@@ -22,7 +25,7 @@ def synthetic_records(num_requests: int = 60, steps_per_request: int = 30, K: in
     step_counter = 0
     for r in range(num_requests):
         difficulty = rng.uniform(-0.5, 2.5)
-        recent = 0.5
+        recent = RECENT_NONE
         generated = 0
         for t in range(steps_per_request):
             s = int(rng.choice(step_grid))
@@ -38,7 +41,7 @@ def synthetic_records(num_requests: int = 60, steps_per_request: int = 30, K: in
             entropy = -(conf * np.log(conf) + (1 - conf) * np.log((1 - conf) / 100 + 1e-9))
             rule = 3 if eps > 0 else (1 if temperature > 0 else 0)
             records.append({
-                "v": 1, "request_id": f"r{r}", "step": step_counter, "time": 1764480000.0 + step_counter * 0.01,
+                "v": TRACE_VERSION, "request_id": f"r{r}", "step": step_counter, "time": 1764480000.0 + step_counter * 0.01,
                 "position": 64 + generated, "generated": generated, "temperature": temperature,
                 "recent_accept": recent, "batch_size": batch_size, "num_tokens": batch_size * (K + 1),
                 "steps": s, "draft_len": K, "rule": rule, "param": eps, "param2": 0.0,
@@ -51,7 +54,7 @@ def synthetic_records(num_requests: int = 60, steps_per_request: int = 30, K: in
             })
             step_counter += 1
             generated += accepted + 1
-            recent = 0.8 * recent + 0.2 * accepted / K
+            recent = next_recent_accept(recent, accepted, K)
     return records
 
 

@@ -8,7 +8,7 @@ import torch
 from tests.tiny_models import make_tiny_pair, single_thread
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, EngineInputError, ModelLoadError, PromptTooLongError, SamplingParams
-from workers.traces import TRACE_FIELDS, FileTraceSink, read_traces
+from workers.traces import TRACE_FIELDS, TRACE_VERSION, FileTraceSink, read_traces
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -106,7 +106,7 @@ def test_trace_records_follow_the_contract(pair, tmp_path):
     records = read_traces(tmp_path / "t.jsonl")
     assert {r["request_id"] for r in records} == {"a", "b"}
     for r in records:
-        assert tuple(r) == TRACE_FIELDS and r["v"] == 1
+        assert tuple(r) == TRACE_FIELDS and r["v"] == TRACE_VERSION
         K = 16 if r["steps"] else 0
         assert len(r["confidence"]) == len(r["entropy"]) == len(r["margin"]) == K
         assert len(r["accept_flags"]) == r["draft_len"] and sum(r["accept_flags"]) == r["accepted"]

@@ -84,9 +84,10 @@ def test_fast_prior_path_equals_feature_path(fitted):
     steps = torch.tensor([1, 2, 4])
     temp = torch.tensor([0.0, 0.7, 1.0, 0.0, 0.3])
     recent = torch.rand(B, generator=g)
-    recent[0] = 0.0  # "nothing verified yet"
+    recent[0] = -1.0  # nothing verified yet: reads as the class's typical recent acceptance
     match = torch.rand(B, 3, generator=g) > 0.5
-    ref = torch.cumprod(predictor.prior.conditional(prior_features(steps, K, temp, recent, match)), -1)
+    x = prior_features(steps, K, temp, predictor.known_recent(recent, temp), match)
+    ref = torch.cumprod(predictor.prior.conditional(x, temp > 0), -1)
     torch.testing.assert_close(predictor.prior_survival(steps, K, temp, recent, match), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -114,13 +115,13 @@ def test_policy_file_round_trip_and_corruption(tmp_path, fitted):
     version = save(pf, path)
     loaded = load(path)
     assert loaded.version == version and loaded.settings == {"steps_grid": [1, 2]}
-    x = [torch.rand(2, 6) for _ in range(3)] + [torch.zeros(2), torch.rand(2), torch.ones(2, dtype=torch.long),
+    x = [torch.rand(2, 6) for _ in range(3)] + [torch.tensor([0.0, 0.8]), torch.rand(2), torch.ones(2, dtype=torch.long),
                                                  torch.zeros(2, dtype=torch.bool)]
     torch.testing.assert_close(loaded.predictor.survival(*x), predictor.survival(*x))
     assert not open(path, "rb").read().startswith(b"\x80")  # JSON, not pickle
 
     data = json.loads(path.read_text())
-    data["predictor"]["draft"]["weight"][0] += 1.0  # edited without a new checksum
+    data["predictor"]["draft"]["sampled"]["weight"][0] += 1.0  # edited without a new checksum
     with pytest.raises(PolicyFileError, match="checksum"):
         loads(json.dumps(data))
     with pytest.raises(PolicyFileError, match="schema"):
@@ -128,7 +129,7 @@ def test_policy_file_round_trip_and_corruption(tmp_path, fitted):
     with pytest.raises(PolicyFileError, match="not valid JSON"):
         loads(path.read_text()[:-20])
     broken = json.loads(dumps(PolicyFile()))
-    broken["predictor"]["draft"]["weight"] = [1.0, 2.0]
+    broken["predictor"]["draft"]["greedy"]["weight"] = [1.0, 2.0]
     from adapt.policy_file import _checksum
 
     broken["checksum"] = _checksum(broken)
@@ -161,3 +162,25 @@ def test_trace_reader_errors(tmp_path):
     p.write_text("{not json}\n")
     with pytest.raises(TraceError, match="t.jsonl:1"):
         TraceTable.read(p)
+
+
+def test_each_temperature_class_gets_its_own_calibrated_head():
+    # greedy requests here accept far more than sampled ones at the same draft confidence: one
+    # pooled model would under-predict one class and over-predict the other
+    greedy = synthetic_records(num_requests=80, step_grid=(1,), temperature=0.0, seed=5)
+    sampled = synthetic_records(num_requests=80, step_grid=(1,), temperature=0.8, seed=6)
+    for rec in greedy:
+        rec["request_id"] = "g" + rec["request_id"]
+        n = len(rec["accept_flags"])
+        rec["accepted"] = min(n, 2 * rec["accepted"] + 1)
+        rec["accept_flags"] = [1] * rec["accepted"] + [0] * (n - rec["accepted"])
+    predictor, report = fit_predictor(TraceTable.from_records(greedy + sampled), seed=0)
+    for head in ("draft", "prior"):
+        for cls in ("greedy", "sampled"):
+            row = report[head]["by_class"][cls]
+            assert row["ece"] < 0.05, (head, cls, row)
+            assert abs(row["predicted"] - row["observed"]) < 0.15 * row["observed"], (head, cls, row)
+    # and the prior tells the classes apart for a row with the same history
+    prior = predictor.prior_survival(torch.tensor([1]), 8, torch.tensor([0.0, 0.8]), torch.tensor([-1.0, -1.0]),
+                                     torch.zeros(2, dtype=torch.bool))
+    assert prior[0].sum() > 1.5 * prior[1].sum()

@@ -23,6 +23,27 @@ from typing import Protocol
 
 import torch
 
+RECENT_NONE = -1.0  # the recent acceptance of a row that has not verified any draft yet
+
+
+def next_recent_accept(prev: float, accepted: int, verified: int) -> float:
+    """A row's *recent acceptance* after a pass that verified ``verified`` drafts and accepted the
+    first ``accepted`` of them: an EMA (0.7 / 0.3) of the per-position acceptance estimate
+    ``a / (a + 1)`` (``1`` when all ``k`` were accepted), the geometric estimate of the
+    conditional acceptance ``c`` of a draft position, whatever draft length ``k`` was verified.
+    ``prev`` is `RECENT_NONE` before the row's first verified draft; a pass without drafts
+    leaves it unchanged."""
+    if verified <= 0:
+        return prev
+    sample = float(acceptance_sample(accepted, verified))
+    return sample if prev < 0 else 0.7 * prev + 0.3 * sample
+
+
+def acceptance_sample(accepted, verified):
+    """``a / (a + 1)`` if a draft was rejected (``a < k``), else 1: one pass's per-position acceptance
+    estimate; numbers or tensors (elementwise), for ``verified ≥ 1``."""
+    return accepted / (accepted + (accepted < verified))
+
 from kernels.rules import Rule
 from workers.request import DecodeKnobs
 
@@ -32,7 +53,8 @@ class RowState:
     """The running rows at the start of a step (host-side CPU tensors `[B]`, lists of length B).
 
     position: committed sequence length L (prompt + generated - 1: the anchor is not cached yet);
-    generated: tokens generated so far; recent_accept: EMA of accepted / verified drafts;
+    generated: tokens generated so far; recent_accept: per-position acceptance of the row's recent
+    verified drafts (`next_recent_accept`; `RECENT_NONE` = none verified yet);
     tvd_spent: total variation spent so far; remaining: tokens the row may still emit;
     block_size: the drafter's K (0 without a drafter)."""
 

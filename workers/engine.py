@@ -35,10 +35,12 @@ import torch
 from kernels import Rule, verify
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
-from workers.decisions import DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome, exact_rules
+from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
+                               exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
+from workers.traces import TRACE_VERSION
 from workers.target_model import load_target, resolve_dtype
 
 # rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
@@ -87,12 +89,12 @@ class _Request:
     accepted: int = 0
     verified: int = 0
     tvd: float = 0.0
-    recent_accept: float = 0.0
+    recent_accept: float = RECENT_NONE
     t_start: float = 0.0
     t_last: float = 0.0
     last_knobs: tuple = (0, 0, int(Rule.GREEDY))  # steps, draft_len, rule of the latest step
     apos: list[float] = field(default_factory=list)  # accept_per_position
-    _ema_before: float = 0.0
+    _ema_before: float = RECENT_NONE
 
 
 class Engine:
@@ -401,8 +403,7 @@ class Engine:
             req.accepted += ai
             req.verified += kk
             req.tvd += tvd_i
-            if kk:
-                req.recent_accept = ai / kk if req.verified == kk else 0.7 * req.recent_accept + 0.3 * ai / kk
+            req.recent_accept = next_recent_accept(req.recent_accept, ai, kk)
             req.apos = row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])]
             req.last_knobs = (s_host[i], kk, rule_host[i])
             req.length += ai + 1
@@ -584,7 +585,7 @@ class Engine:
         # called after the step's commit: position / generated / recent_accept as before the step
         before = req.length - a - 1
         return {
-            "v": 1, "request_id": req.request_id, "step": self.step_count, "time": time.time(),
+            "v": TRACE_VERSION, "request_id": req.request_id, "step": self.step_count, "time": time.time(),
             "position": before, "generated": len(req.output),
             "temperature": float(req.params.temperature), "recent_accept": req._ema_before,
             "batch_size": B, "num_tokens": num_tokens, "steps": s, "draft_len": k, "rule": rule,

@@ -2,7 +2,7 @@
 
 A record describes one row of one engine step: the row's state before the step, the knobs the
 decision maker chose, the draft features it saw, and what happened (accepted drafts, TVD spent,
-timings). Records are plain dicts with `"v": 1`; sinks take a list per step.
+timings). Records are plain dicts with `"v": TRACE_VERSION`; sinks take a list per step.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: recent_accept is the per-position estimate (workers.decisions.next_recent_accept)
 TRACE_FIELDS = ("v", "request_id", "step", "time", "position", "generated", "temperature", "recent_accept",
                 "batch_size", "num_tokens", "steps", "draft_len", "rule", "param", "param2", "commit_order",
                 "confidence", "entropy", "margin", "accepted", "accept_flags", "tvd_spent",
