@@ -47,8 +47,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
-                 probe_every: int = 16, probe_tolerance: float = 0.05, **kwargs):
+                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -69,12 +68,6 @@ class AdaptivePolicy(Policy):
         if no_draft_margin < 0:
             raise ValueError(f"no_draft_margin: must be >= 0, got {no_draft_margin!r}")
         self.no_draft_margin = float(no_draft_margin)
-        if not isinstance(probe_every, int) or probe_every < 0:
-            raise ValueError(f"probe_every: must be an integer >= 0 (0 = never probe), got {probe_every!r}")
-        if not 0.0 <= probe_tolerance < 1.0:
-            raise ValueError(f"probe_tolerance: must be in [0, 1), got {probe_tolerance!r}")
-        self.probe_every, self.probe_tolerance = probe_every, float(probe_tolerance)
-        self.typical: torch.Tensor | None = None  # [2] typical recent acceptance, greedy / sampled (from the predictor)
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
@@ -161,63 +154,16 @@ class AdaptivePolicy(Policy):
             cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
-        if self.allow_no_draft and self.probe_every > 0:
-            level = self._probe(level, ctx["idle"].to(dev), gain[:, 0], toks[:, 0], cur_gain, cur_tok)
         return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
-
-    def _plan_ms(self, level: torch.Tensor, tokens: float) -> float:
-        """Step time of a plan: ``level`` [B] (-1 = no draft, i = steps_grid[i]), ``tokens`` verified."""
-        ms, prev = self.cost.step_ms_at(tokens), 0
-        for i, s in enumerate(self.steps_grid):
-            n = int((level >= i).sum())
-            if n == 0:
-                break
-            ms += (s - prev) * self.cost.draft_ms_at([n])
-            prev = s
-        return ms
-
-    def _probe(self, level, idle, gain1, tok1, cur_gain, cur_tok) -> torch.Tensor:
-        """*Probing*: a row that has not verified drafts for ``probe_every`` steps drafts again (at
-        the first grid step) when that costs the batch's weighted rate at most ``probe_tolerance``
-        (best-gain rows first). A row that never drafts never measures its own acceptance, and
-        acceptance comes in stretches (a repetitive passage accepts whole blocks); probing is how
-        the policy finds them where exploring is nearly free (one request, cheap drafter passes)
-        and never where it is not (a drafter pass for a few rows of a large batch)."""
-        cand = (level < 0) & (idle >= self.probe_every)
-        if not bool(cand.any()):
-            return level
-        base_gain, base_tok = float(cur_gain.sum()), float(cur_tok.sum())
-        floor = (1.0 - self.probe_tolerance) * base_gain / max(self._plan_ms(level, base_tok), 1e-6)
-        order = torch.argsort(torch.where(cand, gain1 - cur_gain, torch.full_like(gain1, -1e9)), descending=True)
-        order = order[: int(cand.sum())]
-        d_gain = (gain1 - cur_gain)[order].cpu().cumsum(0)                            # [n]
-        d_tok = (tok1 - cur_tok)[order].cpu().cumsum(0)
-        # the plan's drafter passes, with the first one widened by the probed rows
-        s1, n1 = self.steps_grid[0], int((level >= 0).sum())
-        others = self._plan_ms(level, 0.0) - self.cost.step_ms_at(0.0) - s1 * self.cost.draft_ms_at([n1])
-        first = torch.tensor([s1 * self.cost.draft_ms_at([n1 + n]) for n in range(1, len(order) + 1)],
-                             dtype=torch.float64)                                         # [n]
-        ms = self.cost.step_ms(base_tok + d_tok) + others + first
-        ok = ((base_gain + d_gain) / ms.float() >= floor).nonzero()
-        if len(ok) == 0:
-            return level
-        chosen = order[: int(ok[-1]) + 1]
-        level = level.clone()
-        level[chosen] = 0
-        return level
-
-    def _typical(self, pred) -> torch.Tensor:
-        if self.typical is None:
-            t = getattr(pred, "typical_recent", None)
-            self.typical = t.detach().float().cpu().clone() if t is not None else torch.full((2,), 0.5)
-        return self.typical
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
         """[B] recent acceptance as the prior should read it: the class's typical value for rows
         without verified drafts; pulled toward it by ``1 − idle_decay^idle`` for rows that have not
         verified drafts for ``idle`` [B] steps."""
         recent = rows.recent_accept.float().cpu()
-        typical = self._typical(pred)[(rows.temperature.cpu() > 0).long()]            # [B]
+        by_class = getattr(pred, "typical_recent", None)                              # [2] greedy, sampled
+        by_class = by_class.cpu() if by_class is not None else torch.full((2,), 0.5)
+        typical = by_class[(rows.temperature.cpu() > 0).long()]                       # [B]
         pull = 1.0 - self.idle_decay ** idle.cpu()
         return torch.where(recent >= 0, recent + (typical - recent) * pull, typical)
 

@@ -215,7 +215,7 @@ def test_adaptive_offers_drafting_again_to_rows_that_stopped():
     import dataclasses
 
     rows = dataclasses.replace(make_rows(2), recent_accept=torch.tensor([0.1, 0.1]))
-    p.typical = torch.tensor([0.7, 0.7])
+    p.predictor.typical_recent = torch.tensor([0.7, 0.7])
     # row 0 verified drafts, row 1 did not, for 6 steps
     for _ in range(6):
         p.observe(rows, StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
@@ -231,7 +231,7 @@ def test_rows_without_verified_drafts_read_their_class_typical_acceptance():
     from workers.decisions import RECENT_NONE
 
     p = policies.get("adaptive")
-    p.typical = torch.tensor([0.8, 0.3])
+    p.predictor.typical_recent = torch.tensor([0.8, 0.3])
     rows = dataclasses.replace(make_rows(3), temperature=torch.tensor([0.0, 0.9, 0.9]),
                                recent_accept=torch.tensor([RECENT_NONE, RECENT_NONE, 0.6]))
     recent = p._recent(rows, torch.zeros(3), p.predictor)
