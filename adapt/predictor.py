@@ -19,7 +19,9 @@ Two logistic heads, both evaluated as a few tensor operations inside the engine 
 A row's *recent acceptance* is the per-position acceptance of its latest verified drafts
 (`workers.decisions.next_recent_accept`). A row that has not verified any draft yet has none
 (`RECENT_NONE`); it reads as the *typical recent acceptance* of its temperature class (greedy or
-sampled), the mean over the rows of the traces the predictor was fitted on (`typical_recent`).
+sampled), `typical_recent`: optimistic on purpose (the larger of the upper quartile of the fitted
+traces' recent acceptance and the value that matches the class's mean tokens per block), so that
+a row of unknown history drafts wherever an upper-quartile row would pay, and measures itself.
 
 Each head is a pair (`ClassHeads`): one logistic model for greedy rows (T = 0) and one for sampled
 rows (T > 0), because their acceptance curves differ in shape (greedy rows in a repetitive stretch
@@ -351,8 +353,8 @@ def matched_typical_recent(predictor: "AcceptancePredictor", t: TraceTable, fall
     fully verified block as the class's records show on average. Acceptance is a mixture (most
     passes accept little, repetitive stretches accept whole blocks), and the expected tokens are
     convex in the per-position acceptance, so the plain mean recent acceptance under-states what
-    a row of unknown history is worth; this value does not. ``fallback`` where a class has fewer
-    than 20 fully verified records."""
+    a row of unknown history is worth on average; this value does not. ``fallback`` where a class
+    has fewer than 20 fully verified records."""
     grid = torch.linspace(0.0, 1.0, 101)                                       # [R]
     out = fallback.clone().float()
     full = (t.draft_len == t.block) & (t.block > 0) & (t.steps > 0)
@@ -369,6 +371,16 @@ def matched_typical_recent(predictor: "AcceptancePredictor", t: TraceTable, fall
             expected += n * surv[:, 0].sum(-1).double()
         expected /= int(m.sum())
         out[cls] = grid[int(torch.argmin((expected - target).abs()))]
+    return out
+
+
+def quantile_recent(t: TraceTable, q: float, fallback: torch.Tensor) -> torch.Tensor:
+    """[2] the ``q``-quantile of the records' known recent acceptance, greedy (0) and sampled (1)."""
+    out = fallback.clone().float()
+    for cls, sampled in ((0, False), (1, True)):
+        m = (t.recent_accept >= 0) & ((t.temperature > 0) == sampled)
+        if m.sum() >= 10:
+            out[cls] = float(np.quantile(t.recent_accept[m], q))
     return out
 
 
@@ -518,10 +530,14 @@ def fit_predictor(table: TraceTable, *, seed: int = 0, c: float = 1.0, bins: int
                         "brier": round(float(((pred - observed) ** 2).mean()), 4)}
         heads[name] = head
     predictor = AcceptancePredictor(heads["draft"], heads["prior"], typical)
-    predictor.typical_recent = matched_typical_recent(predictor, t, typical)
+    matched = matched_typical_recent(predictor, t, typical)
+    upper = quantile_recent(t, 0.75, typical)
+    predictor.typical_recent = torch.maximum(matched, upper)
     report["typical_recent"] = {"greedy": round(float(predictor.typical_recent[0]), 4),
                                 "sampled": round(float(predictor.typical_recent[1]), 4),
-                                "mean_recent": report["typical_recent"]}
+                                "mean_recent": report["typical_recent"],
+                                "matched": [round(float(v), 4) for v in matched],
+                                "upper_quartile": [round(float(v), 4) for v in upper]}
     # the analytic leniency model, checked on ε-TVD rows when the traces have any
     lenient = drafted & (table.rule == _RULE_EPS_TVD) & (table.param > 0)
     if lenient.sum() >= 20:
