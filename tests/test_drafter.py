@@ -181,3 +181,34 @@ def test_per_row_steps_match_separate_calls(setup):
         tok, q = drafter.draft(anchor, L, kv, pos < L[:, None], steps=s)
         assert torch.equal(mixed[row], tok[row]) and torch.allclose(qm[row], q[row], atol=1e-6)
     assert (qm[2] == 0).all()  # s = 0: no draft
+
+
+def test_cached_rope_and_block_in_cache_match_the_concatenating_path(setup):
+    """The engine's decoding form (RoPE from the table, the block's keys / values written into the
+    context buffer after the longest context, one additive mask) gives the training form's hidden
+    states: the same attention over the same keys."""
+    drafter, x, feats, pos = setup
+    K, B = drafter.config.block_size, x.shape[0]
+    L = torch.tensor([6, 9, 13])
+    ref = _block(drafter, x, feats, pos, L)
+    with torch.no_grad():
+        C = int(L.max())
+        kv = drafter.context_kv(feats[:, :C], pos[:, :C], bound=64)  # rows' contexts end at L <= C
+        ctx = []
+        for k, v in kv:  # buffers [B, kv, C + K + 1, d]: context, then room for the block
+            pad = torch.zeros(B, k.shape[1], K + 1, k.shape[3])
+            ctx.append((torch.cat((k, pad), 2), torch.cat((v, pad), 2)))
+        cols = torch.arange(C + K + 1)
+        attend = (cols[None] < L[:, None]) | (cols[None] >= C)
+        mask = torch.zeros(B, 1, C + K + 1).masked_fill_(~attend[:, None], float("-inf"))
+        tokens = torch.cat((x[torch.arange(B), L][:, None], torch.zeros(B, K, dtype=torch.long)), 1)
+        masked = torch.ones(B, K + 1, dtype=torch.bool)
+        masked[:, 0] = False
+        positions = L[:, None] + torch.arange(K + 1)
+        rope = drafter.rope(positions, torch.float32, bound=64)
+        out = drafter.forward_block(drafter.embed_block(tokens, masked), positions, ctx, mask, rope=rope,
+                                    block_in_ctx=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    cos, sin = drafter.rope(positions, torch.float32)  # computed, not looked up: the same values
+    torch.testing.assert_close(cos, rope[0], atol=0, rtol=0)
+    torch.testing.assert_close(sin, rope[1], atol=0, rtol=0)

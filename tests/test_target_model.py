@@ -49,3 +49,29 @@ def test_logits_match_transformers_over_ragged_cache(tmp_path, family):
 def test_unknown_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_target(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_common_start_gives_the_same_results(tmp_path, family):
+    """`start_value` (every row starts at the same host-known position: plain K/V copies, a shared
+    mask, none for one new token at the window's end) gives exactly the per-row path's results."""
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=2)
+    model = load_target(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(2, 128, (3, 9), generator=gen)
+    caches = [model.new_cache(max_batch=4, max_len=32) for _ in range(2)]
+    outs = []
+    for cache, common in zip(caches, (False, True)):
+        kw = {"start_value": 0} if common else {}
+        got = [model(prefix, torch.zeros(3, dtype=torch.long), cache, row0=1, width=9, capture=(0, 1), **kw)]
+        for T, width in ((1, 10), (4, 14), (2, 20)):  # the last: a window wider than needed
+            start = 9 if T == 1 else (10 if T == 4 else 14)
+            new = torch.randint(2, 128, (3, T), generator=torch.Generator().manual_seed(T))
+            kw = {"start_value": start} if common else {}
+            got.append(model(new, torch.full((3,), start), cache, row0=1, width=width, capture=(1,), **kw))
+        outs.append(got)
+    for (l0, h0), (l1, h1) in zip(*outs):
+        torch.testing.assert_close(l1, l0, atol=0, rtol=0)
+        torch.testing.assert_close(h1, h0, atol=0, rtol=0)
+    for c0, c1 in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        torch.testing.assert_close(c1[1:4, :, :16], c0[1:4, :, :16], atol=0, rtol=0)

@@ -106,6 +106,10 @@ class StepOutcome:
 
 
 class DecisionMaker(Protocol):
+    """What the engine asks each step. A decision maker may set ``reads_draft_features = False``
+    when `choose_verify` ignores ``draft.confidence / entropy / margin``: the engine then skips
+    computing them (a top-2 and an entropy over [B, K, V]) unless it writes traces."""
+
     def choose_steps(self, rows: RowState) -> torch.Tensor: ...  # [B] int64
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
     def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
@@ -121,7 +125,9 @@ class StaticDecisions:
     """Each request's own knobs, every step: s = knobs.steps (0 when draft_len = 0),
     k = knobs.draft_len; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the
     draft probabilities are true conditionals (its TVD report needs them), the exact rule
-    otherwise."""
+    otherwise. It never reads the draft features."""
+
+    reads_draft_features = False
 
     def choose_steps(self, rows: RowState) -> torch.Tensor:
         return torch.tensor([kn.steps if kn.draft_len > 0 else 0 for kn in rows.knobs], dtype=torch.int64)

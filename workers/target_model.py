@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.kv_cache import KVCache
-from workers.layers import RMSNorm, SwiGLU, rope_cos_sin, rotate
+from workers.layers import RMSNorm, SwiGLU, rope_cos_signed_sin, rotate_signed
 from workers.linear import SMALL_MATMUL_MACS, Fusable, prepare_for_inference
 from workers.request import ModelLoadError
 
@@ -106,9 +106,10 @@ class Attention(Fusable):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, cache_k, cache_v, slot, mask):
-        """x [B, T, H]; cos/sin [B, T, 1, d]; cache_k/v [B, kvh, W, d] views of this layer's cache rows;
-        slot = (rows, positions), each [B, T] int64: where the new tokens' K/V go in the views;
-        mask [B, 1, T, W] additive (0 = attend, -inf = not)."""
+        """x [B, T, H]; cos / signed sin [B or 1, T, 1, d] (`rope_cos_signed_sin`); cache_k/v
+        [B, kvh, W, d] views of this layer's cache rows; slot: where the new tokens' K/V go in the
+        views, an int (every row's first new position) or (rows, positions), each [B, T] int64;
+        mask [B or 1, 1, T, W] additive (0 = attend, -inf = not) or None (attend to all W)."""
         B, T, _ = x.shape
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.fused("qkv")
@@ -118,17 +119,29 @@ class Attention(Fusable):
         else:
             qk = torch.cat((self.q_proj(x).view(B, T, h, d), self.k_proj(x).view(B, T, kvh, d)), 2)
             v = self.v_proj(x).view(B, T, kvh, d)
-        if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])), 2)
-        qk = rotate(qk, cos, sin)  # q and k heads in one RoPE
+        if self.qk_norm:  # q_norm and k_norm in one norm: their weights stacked per head
+            qk = self.q_norm.norm(qk, torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d))))
+        qk = rotate_signed(qk, cos, sin)  # q and k heads in one RoPE
         q, k = qk[:, :, :h], qk[:, :, h:]
-        # index_put_ on the [B, W, kvh, d] view: a scatter_ into the strided cache view costs ~30 µs per row
-        cache_k.transpose(1, 2).index_put_(slot, k.to(cache_k.dtype))
-        cache_v.transpose(1, 2).index_put_(slot, v.to(cache_v.dtype))
+        write_kv(cache_k, cache_v, slot, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), cache_k, cache_v, attn_mask=mask, enable_gqa=h != kvh
         )  # [B, h, T, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * d))
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, slot, k: torch.Tensor, v: torch.Tensor) -> None:
+    """New keys / values k, v [B, T, kvh, d] into the cache views [B, kvh, W, d] at `slot`: an int
+    (all rows from that position: one plain copy each) or (rows, positions) [B, T] each (per-row
+    positions: `index_put_` on the [B, W, kvh, d] view; a scatter_ into the strided cache view
+    costs ~30 µs per row)."""
+    if isinstance(slot, int):
+        T = k.shape[1]
+        cache_k.narrow(2, slot, T).copy_(k.transpose(1, 2))
+        cache_v.narrow(2, slot, T).copy_(v.transpose(1, 2))
+    else:
+        cache_k.transpose(1, 2).index_put_(slot, k.to(cache_k.dtype))
+        cache_v.transpose(1, 2).index_put_(slot, v.to(cache_v.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -165,16 +178,18 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, T, d] for positions [B, T], looked up in a table built once (the same
-        values `rope_cos_sin` computes, without recomputing them every call)."""
+    def _rope(self, positions: torch.Tensor | int, T: int, dtype: torch.dtype, device: torch.device):
+        """cos and signed sin (`rope_cos_signed_sin`), each [B, T, 1, d] (broadcast over heads), for
+        positions [B, T], or [1, T, 1, d] for the positions `positions .. positions + T - 1` (an int):
+        one lookup in a table built once."""
         need = int(self.config.max_position) + 64
-        table = getattr(self, "_rope_table", None)
-        if table is None or table[0].dtype != dtype or table[0].device != positions.device or table[0].shape[0] < need:
-            pos = torch.arange(need, device=positions.device)
-            table = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
-            self._rope_table = table
-        return table[0][positions], table[1][positions]
+        table = self.__dict__.get("_rope_table")
+        if table is None or table.dtype != dtype or table.device != device or table.shape[0] < need:
+            pos = torch.arange(need, device=device)
+            table = rope_cos_signed_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)  # [need, 2, d]
+            self.__dict__["_rope_table"] = table
+        cs = table[positions] if isinstance(positions, torch.Tensor) else table[positions : positions + T][None]
+        return cs[:, :, 0:1], cs[:, :, 1:2]  # cs [B or 1, T, 2, d]
 
     def prepare_for_inference(self, shape_aware: bool = True, fuse: bool = True,
                               threshold: int = SMALL_MATMUL_MACS) -> "TargetModel":
@@ -189,7 +204,8 @@ class TargetModel(nn.Module):
                        dtype=dtype or p.dtype, device=p.device)
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache, row0: int, width: int,
-                capture: tuple[int, ...] = (), logits_index: torch.Tensor | None = None):
+                capture: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
+                start_value: int | None = None):
         """Run new tokens through the model, appending their K/V to the cache.
 
         input_ids [B, T] int64: new tokens of cache rows `row0 .. row0 + B - 1`, row r's token t
@@ -201,18 +217,24 @@ class TargetModel(nn.Module):
             layer's entry is after the final norm, as in HF `output_hidden_states`, which the
             drafter was trained on).
         logits_index [B, J] int64 or None: if given, only those token positions get logits.
+        start_value: optional host-side promise that every entry of `start` equals it; the forward
+            then writes K/V with plain copies, slices its RoPE table and shares one mask across
+            rows (none at all for one new token at the end of the window). Same results.
         Returns logits [B, T or J, V] in float32 and hidden [B, T, len(capture) * H] (or None).
         """
         B, T = input_ids.shape
         device = input_ids.device
-        positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = self._rope(positions, x.dtype)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, d], broadcast over heads
-        keys = torch.arange(width, device=device)  # [W]
-        mask = torch.zeros(B, 1, T, width, dtype=x.dtype, device=device)  # additive: ~10% faster SDPA than bool
-        mask.masked_fill_((keys[None, None, :] > positions[:, :, None])[:, None], float("-inf"))  # [B, 1, T, W]
-        slot = (torch.arange(B, device=device)[:, None].expand(B, T), positions)  # [B, T] each
+        if start_value is not None:  # one start for all rows
+            slot = start_value
+            cos, sin = self._rope(start_value, T, x.dtype, device)  # [1, T, 1, d] each: cos, signed sin
+            positions = None if T == 1 and width == start_value + 1 else \
+                torch.arange(start_value, start_value + T, device=device)[None]  # [1, T]
+        else:
+            positions = start[:, None] + torch.arange(T, device=device)  # [B, T]
+            slot = (torch.arange(B, device=device)[:, None].expand(B, T), positions)  # [B, T] each
+            cos, sin = self._rope(positions, T, x.dtype, device)  # [B, T, 1, d] each: cos, signed sin
+        mask = None if positions is None else causal_mask(positions, width, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -228,6 +250,16 @@ class TargetModel(nn.Module):
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(x).float()
         return logits, hidden
+
+
+def causal_mask(positions: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [N, 1, T, W] for queries at positions [N, T] over cache positions < width:
+    0 where key position <= query position, -inf elsewhere (SDPA is ~10% faster with an additive
+    mask than with a boolean one)."""
+    N, T = positions.shape
+    keys = torch.arange(width, device=positions.device)  # [W]
+    mask = torch.zeros(N, 1, T, width, dtype=dtype, device=positions.device)
+    return mask.masked_fill_((keys > positions[:, :, None])[:, None], float("-inf"))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

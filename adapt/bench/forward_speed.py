@@ -4,6 +4,7 @@
     python -m adapt.bench.forward_speed --linears             # + fp32 / bf16 / packed F.linear table
     python -m adapt.bench.forward_speed --thresholds          # + shape-aware fp32 thresholds
     python -m adapt.bench.forward_speed --compile             # + torch.compile of the forward
+    python -m adapt.bench.forward_speed --thread-table        # + the default forward at 1 vs N threads
 
 Variants of the same `TargetModel`, loaded side by side in one process and timed in turns (so a
 busy machine slows all of them alike; compare the ratios, not the absolute times):
@@ -16,7 +17,12 @@ busy machine slows all of them alike; compare the ratios, not the absolute times
   cannot lower the packed weights of `fused+sa`); its compile time (first calls) is reported
   separately.
 Each (B, T) decodes T new tokens per row after `--context` cached ones: T = 1 is an
-autoregressive step, T = 17 a verification of 16 drafts.
+autoregressive step, T = 17 a verification of 16 drafts. Rows share their start position and
+the forward is told so (`start_value`), as the engine does for such batches.
+
+`--thread-table` times the default (`fused+sa`) forward at one thread and at `--threads` threads,
+in turns, for more shapes (B x T tokens from 1 to 136): where OpenMP's fork/join per op costs more
+than the second core gives back.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch.nn import functional as F
 
 SHAPES = ((1, 1), (1, 17), (8, 1), (8, 17))
+THREAD_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (1, 8), (1, 17), (2, 17), (4, 17), (8, 17))
 LINEAR_SHAPES = ((256, 768), (256, 256), (768, 256), (256, 1536), (256, 4096))
 LINEAR_ROWS = (1, 2, 4, 8, 17, 136)
 COLD_WEIGHTS = 24
@@ -97,7 +104,7 @@ def forward_table(target: str, dtype: torch.dtype, context: int, iters: int, com
             t = time.perf_counter()
             for b, T in SHAPES:  # compile (and recompile) once per shape before timing
                 ids = torch.randint(0, 100, (b, T), generator=gen)
-                variants["compiled"](ids, torch.full((b,), context), caches["compiled"], 0, context + T, capture)
+                variants["compiled"](ids, torch.full((b,), context), caches["compiled"], 0, context + T, capture, start_value=context)
             compile_s = time.perf_counter() - t
         for b, T in SHAPES:
             ids = torch.randint(0, 100, (b, T), generator=gen)
@@ -105,11 +112,38 @@ def forward_table(target: str, dtype: torch.dtype, context: int, iters: int, com
             ms = {name: float("inf") for name in variants}
             for _ in range(rounds):  # the variants in turns, best round each
                 for name, m in variants.items():
-                    call = lambda m=m, c=caches[name]: m(ids, start, c, 0, context + T, capture)
+                    call = lambda m=m, c=caches[name]: m(ids, start, c, 0, context + T, capture, start_value=context)
                     ms[name] = min(ms[name], _best_us(call, iters, reps=1) / 1e3)
             out[f"B={b} T={T}"] = {name: round(v, 3) for name, v in ms.items()} | {
                 f"{name}/plain": round(v / ms["plain"], 3) for name, v in ms.items() if name != "plain"}
     return {"forward_ms": out, "compile_s": compile_s}
+
+
+def thread_table(target: str, dtype: torch.dtype, context: int, iters: int, threads: int, rounds: int = 9) -> dict:
+    """The default forward at 1 and at `threads` threads, in turns (median of `rounds`), per shape."""
+    import statistics
+
+    from workers.target_model import load_target
+
+    model = load_target(target, dtype)
+    cache = model.new_cache(max(b for b, _ in THREAD_SHAPES), context + 64)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for b, T in THREAD_SHAPES:
+            ids = torch.randint(0, 100, (b, T), generator=gen)
+            start = torch.full((b,), context)
+            call = lambda: model(ids, start, cache, 0, context + T, (1, 3, 5), start_value=context)
+            ms = {1: [], threads: []}
+            for r in range(rounds):
+                for n in ((1, threads) if r % 2 else (threads, 1)):
+                    torch.set_num_threads(n)
+                    ms[n].append(_best_us(call, iters, reps=1) / 1e3)
+            med = {n: statistics.median(v) for n, v in ms.items()}
+            out[f"B={b} T={T}"] = {"1": round(med[1], 3), str(threads): round(med[threads], 3),
+                                   f"{threads}/1": round(med[threads] / med[1], 3)}
+    torch.set_num_threads(threads)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(forward, dynamic=True)")
     ap.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
     ap.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
+    ap.add_argument("--thread-table", action="store_true", help="also time the default forward at 1 vs --threads threads")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -134,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         report["linear_us"] = linear_table(dtype, iters=10)
     report |= forward_table(args.target, dtype, args.context, args.iters, args.compile,
                             THRESHOLDS if args.thresholds else (), args.rounds)
+    if args.thread_table:
+        report["thread_table_ms"] = thread_table(args.target, dtype, args.context, args.iters, args.threads, args.rounds)
     print(json.dumps(report, indent=1))
 
 

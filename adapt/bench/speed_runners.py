@@ -59,8 +59,9 @@ class PhaseProbe:
     synchronous, so wall time around a call is its cost; on CUDA each boundary synchronises).
 
     Phases per decode step: `draft` (the drafter's denoising passes), `verify_forward` (the target
-    forward over anchor + drafts, KV written in place), `acceptance` (`kernels.verify` on the
-    ragged batch), `cache_commit` (drafter context K/V of the new positions), `decisions` (the
+    forward over anchor + drafts, KV written in place), `acceptance` (verification: the all-greedy
+    fast path or `kernels.verify` on the ragged batch; in a step without drafts, sampling the next
+    tokens and the step's host read), `cache_commit` (drafter context K/V of the new positions), `decisions` (the
     decision maker's calls), `bookkeeping` (everything else of the step: tensors built from
     Python state, probabilities, noise, stop checks, the host sync, per-request stats)."""
 
@@ -125,8 +126,6 @@ class PhaseProbe:
         self._undo.append((handles, None, "hooks"))
 
     def __enter__(self):
-        import workers.engine as engine_module
-
         eng = self.engine
         original_decode = eng._decode
 
@@ -153,7 +152,10 @@ class PhaseProbe:
         self._undo.append((eng, "_prefill", None))
         self._wrap(eng, "_draft", "draft")
         self._hook_module(eng.target, "verify_forward")
-        self._wrap(engine_module, "verify", "acceptance")
+        # acceptance: verifying drafts (the greedy fast path or `kernels.verify` on the ragged
+        # batch), or, in a step where no row verifies drafts, sampling each row's next token
+        for name in ("_verify_greedy", "_verify_ragged", "_sample_next"):
+            self._wrap(eng, name, "acceptance")
         for name in ("choose_steps", "choose_verify", "observe"):
             self._wrap(eng.decisions, name, "decisions")
         if eng.drafter is not None:  # the lazy drafter-context commit: stash every step, flush to draft
