@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID, CostModel
+from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, load
+from workers.decisions import StaticDecisions
 
 # settings each policy accepts from a policy file's "settings" (others are ignored for it)
 _SETTINGS = {
@@ -87,7 +88,13 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
       drafter-context commit of two positions per row (what a row drafting every step flushes on
       average at τ ≈ 2; the online correction adjusts it to the measured steps);
     - ``overhead_ms``: the median time of ``overhead_steps`` real autoregressive engine steps of one
-      request, minus the verify table's value at one token.
+      request, minus the verify table's value at one token;
+    - then the *drafting extra*: the median time of real speculative steps of one request (s = 1,
+      the full block), minus what the tables and the overhead predict for them, added to every
+      point of the draft table. A drafting step pays more than its denoising pass: acceptance over
+      the block, the drafter-context commit, the draft features, bookkeeping per drafted token
+      (at batch 1 on the demo pair ~1.8 ms that the passes alone did not show, so drafting looked
+      cheaper than it was).
 
     Must run before the engine has running requests (it writes scratch entries into cache slots).
     """
@@ -134,31 +141,46 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
         grid_rows = [1, 2]
     cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync)
     if overhead_steps > 0:
-        cost.overhead_ms = _measure_overhead(engine, cost, context, overhead_steps)
+        ar = _step_times(engine, context, overhead_steps, draft_len=0)
+        cost.overhead_ms = max(0.0, ar - float(cost.verify.at(1.0)))
+        if dr is not None:
+            spec = _step_times(engine, context, overhead_steps, draft_len=K)
+            extra = max(0.0, spec - cost.step_ms_at(float(K + 1), [1]))
+            cost.draft_pass = Table(cost.draft_pass.xs.tolist(), (cost.draft_pass.ys + extra).tolist(), "cost.draft_pass")
     return cost
 
 
-def _measure_overhead(engine, cost: CostModel, context: int, steps: int) -> float:
-    """Median wall time of real autoregressive steps of one request minus the table's verify(1)."""
+class _FeatureReadingStatic(StaticDecisions):
+    """Each request's own knobs, with the draft features computed as for a policy that reads them."""
+
+    reads_draft_features = True
+
+
+def _step_times(engine, context: int, steps: int, draft_len: int) -> float:
+    """Median wall time (ms) of ``steps`` real decode steps of one greedy request (s = 1,
+    ``draft_len`` drafts verified per step) after a ``context``-token prompt."""
     import numpy as np
 
-    from workers.decisions import StaticDecisions
     from workers.request import DecodeKnobs, SamplingParams
 
     saved, sink = engine.decisions, engine.trace_sink
-    engine.decisions, engine.trace_sink = StaticDecisions(), None
+    engine.decisions, engine.trace_sink = _FeatureReadingStatic(), None
     rid = "__adapt_profile__"
     try:
-        length = max(1, min(context, engine.max_len - steps - 4))
+        room = steps * (draft_len + 1) + 4
+        length = max(1, min(context, engine.max_len - room))
         prompt = [int(t) % engine.vocab for t in range(3, 3 + length)]
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True),
-                           DecodeKnobs(steps=0, draft_len=0))
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=min(room, engine.max_len - length) - 1,
+                                                       temperature=0.0, ignore_eos=True),
+                           DecodeKnobs(steps=1 if draft_len else 0, draft_len=draft_len))
         times = []
-        while engine.has_unfinished():
+        while engine.has_unfinished() and len(times) < steps + 1:
             t0 = time.perf_counter()
             engine.step()
             times.append((time.perf_counter() - t0) * 1e3)
+        if engine.has_unfinished():
+            engine.abort(rid)
     finally:
         engine.decisions, engine.trace_sink = saved, sink
-    decode = times[2:] or times  # the first step is the prefill
-    return max(0.0, float(np.median(decode)) - float(cost.verify.at(1.0)))
+    decode = times[1:] or times  # the first step is the prefill
+    return float(np.median(decode))

@@ -181,9 +181,15 @@ class CostModel:
                 for r in rows:
                     self.draft_pass.nudge(r, resid, self.rate)
             return
-        # the residual of a whole step: half to the per-step overhead (what every step pays:
-        # decisions, bookkeeping), half to the verify table at this size (what depends on it)
         resid = step_ms - self.step_ms_at(num_tokens, rows)
+        if rows:
+            # a drafting step: its residual is what drafting costs beyond the tables (acceptance
+            # over the block, the drafter-context commit, features), spread over its passes
+            for r in rows:
+                self.draft_pass.nudge(r, resid / len(rows), self.rate)
+            return
+        # a step without drafts: half to the per-step overhead (what every step pays: decisions,
+        # bookkeeping), half to the verify table at this size (what depends on it)
         self.overhead_ms = max(0.0, self.overhead_ms + self.rate * OVERHEAD_SHARE * resid)
         self.verify.nudge(num_tokens, (1.0 - OVERHEAD_SHARE) * resid, self.rate)
 

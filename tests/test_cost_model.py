@@ -87,6 +87,17 @@ def test_online_correction_moves_toward_measurements():
     assert c.observed_steps == 21
 
 
+def test_online_correction_charges_drafting_steps_to_drafting():
+    # drafting steps that take longer than predicted make drafting dearer, not every step
+    c = CostModel(Table([1, 64], [10.0, 10.0]), Table([1, 64], [1.0, 1.0]), overhead_ms=0.5, rate=0.5)
+    for _ in range(20):
+        c.observe(17.0, [1], step_ms=15.0)  # predicted 11.5 ms
+        c.observe(1.0, [], step_ms=10.5)    # predicted exactly
+    assert c.step_ms_at(17.0, [1]) == pytest.approx(15.0, rel=0.05)
+    assert c.step_ms_at(1.0) == pytest.approx(10.5, rel=0.02)
+    assert c.overhead_ms == pytest.approx(0.5, abs=0.05)
+
+
 def test_serialisation_round_trip_and_errors():
     c = CostModel.fit_traces(TraceTable.from_records(synthetic_records(num_requests=5, steps_per_request=5)))
     again = CostModel.from_dict(c.to_dict())
