@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from kernels.rules import Rule
-from policies.base import Policy, make_verify_decision, rows_per_pass
+from policies.base import Policy, make_verify_decision, no_draft_decision, rows_per_pass
 from policies.common import lenient_eps
 from policies.greedy import greedy_prefix
 from policies.static import rules_from
@@ -47,7 +47,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 8, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
+                 replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -174,8 +174,7 @@ class AdaptivePolicy(Policy):
         rpp = rows_per_pass(draft.steps)
         max_s = len(rpp)
         if max_s == 0:  # no row drafted: every row emits its one target token
-            zeros = torch.zeros(B, dtype=torch.int64, device=dev)
-            return make_verify_decision(zeros, draft.exact_rule, torch.zeros(B, device=dev), rows)
+            return no_draft_decision(rows, dev)
         if self._flat(B, K, rpp):
             # verification is nearly free here (memory-bound): verify every drafted slot
             k = torch.where(draft.steps > 0, K, 0).to(torch.int64)

@@ -53,6 +53,19 @@ def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: tor
                           param=param.to(torch.float32), param2=param2.to(torch.float32))
 
 
+def no_draft_decision(rows, device):
+    """The decision for a step in which no row drafted: verify nothing; each row emits the
+    target's own token (GREEDY at T = 0, MATCH otherwise, as `make_verify_decision` gives k = 0
+    rows), in a handful of ops (the autoregressive steady state of a policy)."""
+    from workers.decisions import VerifyDecision
+
+    B = len(rows.request_ids)
+    zeros = torch.zeros(B, device=device)
+    rule = torch.where(rows.temperature.to(device) > 0, int(Rule.MATCH), int(Rule.GREEDY)).to(torch.int32)
+    return VerifyDecision(draft_len=torch.zeros(B, dtype=torch.int64, device=device), rule=rule, param=zeros,
+                          param2=zeros)
+
+
 class Policy:
     """Base class of every policy. Subclasses set `name` and implement `_steps` and `_verify`."""
 
