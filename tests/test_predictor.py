@@ -146,6 +146,7 @@ def test_cli_policy_fit(tmp_path, capsys):
     assert cli_main(["policy", "fit", "--traces", str(traces), "--out", str(out), "--report", str(report)]) == 0
     text = capsys.readouterr().out
     assert "ECE" in text and "reliability" in text
+    assert "sampled rows: ECE" in text and "typical recent acceptance" in text  # per class (synthetic: T = 0.7)
     pf = load(out)
     assert pf.policy == "adaptive" and pf.settings["steps_grid"] == [1, 2] and pf.predictor.fitted
     assert json.loads(report.read_text())["draft"]["ece"] == pf.report["draft"]["ece"]

@@ -84,6 +84,12 @@ def _run_fit(args) -> int:
         h = rep[head]
         print(f"{head} head: ECE {h['ece_uncalibrated']:.4f} uncalibrated -> {h['ece']:.4f} calibrated, "
               f"Brier {h['brier']:.4f} ({h['test_points']} held-out positions)")
+        for cls, c in h.get("by_class", {}).items():
+            print(f"  {cls} rows: ECE {c['ece']:.4f}, mean survival predicted {c['predicted']:.4f} vs observed "
+                  f"{c['observed']:.4f} ({c['points']} positions)")
+    typ = rep.get("typical_recent")
+    if typ:
+        print(f"typical recent acceptance (rows without history): greedy {typ['greedy']:.3f}, sampled {typ['sampled']:.3f}")
     print("reliability (draft head, held-out survival):")
     print(_format_reliability(rep["draft"]["reliability"]))
     if "lenient" in rep:
