@@ -26,7 +26,8 @@ a row of unknown history drafts wherever an upper-quartile row would pay, and me
 Each head is a pair (`ClassHeads`): one logistic model for greedy rows (T = 0) and one for sampled
 rows (T > 0), because their acceptance curves differ in shape (greedy rows in a repetitive stretch
 accept whole blocks), not only in level. Both are fitted with scikit-learn on engine traces (only
-exact-rule rows: GREEDY, REJECTION, MATCH) and calibrated per class by *sequential temperature scaling* (as DSpark does): position by position,
+exact-rule rows: GREEDY, REJECTION, MATCH) and calibrated per class by *sequential temperature
+scaling* (as DSpark does): position by position,
 ``a'_j = a'_{j-1} · σ(z_j / T_j)`` with ``T_j`` fitted on held-out requests so that ``a'_j`` matches
 the observed survival. Leniency is handled analytically: under the ε-TVD rule the acceptance of a
 position rises by ε whenever the exact rule would have rejected with probability ≥ ε, which we
@@ -341,11 +342,7 @@ def typical_recent(t: TraceTable) -> torch.Tensor:
     """[2] mean recent acceptance of the records' rows that have one, greedy (0) and sampled (1)."""
     known = t.recent_accept >= 0
     overall = float(t.recent_accept[known].mean()) if known.any() else 0.5
-    out = []
-    for sampled in (False, True):
-        m = known & ((t.temperature > 0) == sampled)
-        out.append(float(t.recent_accept[m].mean()) if m.sum() >= 10 else overall)
-    return torch.tensor(out, dtype=torch.float32).clamp(0.0, 1.0)
+    return _recent_by_class(t, np.mean, torch.full((2,), overall)).clamp(0.0, 1.0)
 
 
 def matched_typical_recent(predictor: "AcceptancePredictor", t: TraceTable, fallback: torch.Tensor) -> torch.Tensor:
@@ -376,11 +373,17 @@ def matched_typical_recent(predictor: "AcceptancePredictor", t: TraceTable, fall
 
 def quantile_recent(t: TraceTable, q: float, fallback: torch.Tensor) -> torch.Tensor:
     """[2] the ``q``-quantile of the records' known recent acceptance, greedy (0) and sampled (1)."""
+    return _recent_by_class(t, lambda values: np.quantile(values, q), fallback)
+
+
+def _recent_by_class(t: TraceTable, stat, fallback: torch.Tensor) -> torch.Tensor:
+    """[2] ``stat`` of the records' known recent acceptance for greedy (0) and sampled (1) rows;
+    ``fallback`` for a class with fewer than 10 such records."""
     out = fallback.clone().float()
     for cls, sampled in ((0, False), (1, True)):
         m = (t.recent_accept >= 0) & ((t.temperature > 0) == sampled)
         if m.sum() >= 10:
-            out[cls] = float(np.quantile(t.recent_accept[m], q))
+            out[cls] = float(stat(t.recent_accept[m]))
     return out
 
 

@@ -32,7 +32,6 @@ positions ``≤ j`` (non-anticipating).
 
 from __future__ import annotations
 
-
 import torch
 
 from kernels.rules import Rule

@@ -44,8 +44,7 @@ def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: tor
     if remaining is not None:
         draft_len = torch.minimum(draft_len, (remaining.to(draft_len.device) - 1).clamp_min(0))
     none = draft_len <= 0
-    plain = torch.where(rows.temperature.to(rule.device) > 0, int(Rule.MATCH), int(Rule.GREEDY)).to(rule.dtype)
-    rule = torch.where(none, plain, rule)
+    rule = torch.where(none, _plain_rule(rows, rule.device).to(rule.dtype), rule)
     param = torch.where(none, torch.zeros_like(param), param)
     if param2 is None:
         param2 = torch.zeros_like(param)
@@ -61,9 +60,14 @@ def no_draft_decision(rows, device):
 
     B = len(rows.request_ids)
     zeros = torch.zeros(B, device=device)
-    rule = torch.where(rows.temperature.to(device) > 0, int(Rule.MATCH), int(Rule.GREEDY)).to(torch.int32)
-    return VerifyDecision(draft_len=torch.zeros(B, dtype=torch.int64, device=device), rule=rule, param=zeros,
-                          param2=zeros)
+    return VerifyDecision(draft_len=torch.zeros(B, dtype=torch.int64, device=device),
+                          rule=_plain_rule(rows, device), param=zeros, param2=zeros)
+
+
+def _plain_rule(rows, device) -> torch.Tensor:
+    """[B] int32 rule of a row that verifies nothing: GREEDY at T = 0, MATCH otherwise (under
+    either, its one token is the target's own sample and no draft probabilities are read)."""
+    return torch.where(rows.temperature.to(device) > 0, int(Rule.MATCH), int(Rule.GREEDY)).to(torch.int32)
 
 
 class Policy:

@@ -23,6 +23,9 @@ from typing import Protocol
 
 import torch
 
+from kernels.rules import Rule
+from workers.request import DecodeKnobs
+
 RECENT_NONE = -1.0  # the recent acceptance of a row that has not verified any draft yet
 
 
@@ -35,17 +38,8 @@ def next_recent_accept(prev: float, accepted: int, verified: int) -> float:
     leaves it unchanged."""
     if verified <= 0:
         return prev
-    sample = float(acceptance_sample(accepted, verified))
+    sample = 1.0 if accepted >= verified else accepted / (accepted + 1.0)
     return sample if prev < 0 else 0.7 * prev + 0.3 * sample
-
-
-def acceptance_sample(accepted, verified):
-    """``a / (a + 1)`` if a draft was rejected (``a < k``), else 1: one pass's per-position acceptance
-    estimate; numbers or tensors (elementwise), for ``verified ≥ 1``."""
-    return accepted / (accepted + (accepted < verified))
-
-from kernels.rules import Rule
-from workers.request import DecodeKnobs
 
 
 @dataclass(frozen=True)
