@@ -114,7 +114,7 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
         t = min(t, width_cap - context - 1)
         ids = torch.zeros(b, t, dtype=torch.long, device=dev)
         start = torch.full((b,), context, dtype=torch.long, device=dev)
-        _, hidden = engine.target(ids, start, engine.tcache, 0, context + t, engine.capture)
+        _, hidden = engine.target_forward(ids, start, engine.tcache, 0, context + t, start_value=context)
         if dr is not None:
             engine.pending[:b, :t] = hidden[:, : engine.pending.shape[1]]
 

@@ -325,6 +325,16 @@ class BlockDiffusionDrafter(Fusable):
             x = layer(x, cos, sin, k, v, mask, block_in_ctx)
         return x
 
+    def block_logits(self, tokens: torch.Tensor, masked: torch.Tensor, ctx_kv, mask: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One denoising pass as the engine runs it: tokens / masked [B, K + 1] (the anchor first),
+        ctx_kv per layer [B, kv, C + K + 1, d] cache views whose last K + 1 columns take the block's
+        keys / values, mask [B, 1, C + K + 1] additive or None (attend to all), cos / signed sin
+        [B, K + 1, d] (`rope`). Returns the logits [B, K, V] (float32) of the K drafted positions."""
+        hidden = self.forward_block(self.embed_block(tokens, masked), None, ctx_kv, mask, rope=(cos, sin),
+                                    block_in_ctx=True)
+        return self.logits(hidden[:, 1:]).float()
+
     # -- drafting -----------------------------------------------------------------------
     @torch.no_grad()
     def draft(self, anchor: torch.Tensor, start: torch.Tensor, ctx_kv, ctx_mask_ctx: torch.Tensor,

@@ -25,6 +25,7 @@ not depend on the rest of the batch.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from kernels.verify import VerifyOutput
 from kernels.reference import race
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
+from workers.compiled import CompiledTarget, compile_forward, resolve_compile
 from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
                                exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
@@ -67,8 +69,9 @@ class EngineConfig:
     max_batch: running requests at once; max_len: prompt + generated tokens per request;
     shape_aware_linear: on CPU, run the bf16/fp16 target's and drafter's matmuls through packed
     oneDNN weights, the smallest through fp32 copies (workers/linear.py; ignored on GPUs and in
-    fp32; False = plain `F.linear`); compile: `torch.compile` the target forward (off by default:
-    see docs/engine.md, "Speed", for what it measured)."""
+    fp32; False = plain `F.linear`); compile: "on" | "off" | "auto" (on for CPU devices), or a
+    bool: run the target's decode steps as compiled programs (workers/compiled.py; call
+    `warm_up()` before serving, or the first steps of each kind compile on the spot)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -78,7 +81,7 @@ class EngineConfig:
     max_len: int = 1024
     seed: int = 0  # seeds the generators of requests that bring no seed
     shape_aware_linear: bool = True
-    compile: bool = False
+    compile: bool | str = False
 
 
 @dataclass(eq=False)  # compared by identity
@@ -113,11 +116,8 @@ class Engine:
         dev = config.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        # inductor cannot lower the packed weights of shape-aware linears: a compiled target keeps plain ones
-        self.target = load_target(config.target, self.dtype, self.device,
-                                  shape_aware=config.shape_aware_linear and not config.compile)
-        if config.compile:
-            self.target.forward = torch.compile(self.target.forward, dynamic=True)
+        self.compiled = resolve_compile(config.compile, self.device)
+        self.target = load_target(config.target, self.dtype, self.device, shape_aware=config.shape_aware_linear)
         tcfg = self.target.config
         self.vocab = tcfg.vocab_size
         self.max_len = min(config.max_len, tcfg.max_position)
@@ -139,6 +139,15 @@ class Engine:
             self.capture = tuple(self.drafter.config.target_layer_ids)
         cap = self.max_len + self.block + 1  # room for speculative writes past max_len
         self.tcache = self.target.new_cache(config.max_batch, cap)
+        # target_forward(ids, start, cache, row0, width, logits_index=None, start_value=None):
+        # the target's forward with this engine's captured layers; compiled with `compile`
+        self.target_forward = functools.partial(self.target, capture=self.capture)
+        # draft_pass(tokens, masked, ctx_kv, mask, cos, sin): one denoising pass (`block_logits`)
+        self.draft_pass = None if self.drafter is None else self.drafter.block_logits
+        if self.compiled:
+            self.target_forward = CompiledTarget(self.target, self.capture)
+            if self.drafter is not None:
+                self.draft_pass = compile_forward(self.drafter, "block_logits")
         self.dcache = None
         if self.drafter is not None:
             from workers.kv_cache import KVCache
@@ -160,6 +169,17 @@ class Engine:
         self.step_count = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
+
+    def warm_up(self) -> dict:
+        """Compile every call pattern of the compiled forward now, on throwaway requests
+        (`workers.compiled.warm_up`); a no-op without `compile`. Call before serving."""
+        if not self.compiled:
+            return {"seconds": 0.0, "steps": 0}
+        from workers.compiled import warm_up
+
+        if self.running or self.waiting:
+            raise EngineInputError("warm_up: the engine has requests; warm up before adding any")
+        return warm_up(self)
 
     # -- requests -----------------------------------------------------------------------
     @property
@@ -265,7 +285,7 @@ class Engine:
         ids = torch.tensor([r.prompt + [0] * (P - len(r.prompt)) for r in new], device=dev)  # [m, P]
         lens = torch.tensor([len(r.prompt) for r in new], device=dev)
         zero = torch.zeros(m, dtype=torch.long, device=dev)
-        logits, hidden = self.target(ids, zero, self.tcache, row0, P, self.capture, logits_index=(lens - 1)[:, None],
+        logits, hidden = self.target_forward(ids, zero, self.tcache, row0, P, logits_index=(lens - 1)[:, None],
                                      start_value=0)
         if self.drafter is not None:
             pos = torch.arange(P, device=dev).expand(m, P)
@@ -353,7 +373,7 @@ class Engine:
         Tq = kmax + 1
         inp = torch.cat([anchors[:, None], drafts[:, :kmax]], 1)  # [B, Tq]
         width = max(r.length for r in run) + Tq
-        logits, hidden = self.target(inp, lengths, self.tcache, 0, width, self.capture,  # [B, Tq, V]
+        logits, hidden = self.target_forward(inp, lengths, self.tcache, 0, width,  # [B, Tq, V]
                                      start_value=_common([r.length for r in run]))
         if self.drafter is not None:
             self._stash(hidden, Tq)
@@ -584,8 +604,7 @@ class Engine:
         tk_rep = None if tk is None else tk.repeat_interleave(K)
         tp_rep = None if tp is None else tp.repeat_interleave(K)
         for it in range(s_max):
-            hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, mask, rope=rope, block_in_ctx=True)
-            logits = dr.logits(hidden[:, 1:]).float()  # [Bd, K, V]
+            logits = self.draft_pass(tokens, masked, ctx, mask, *rope)  # [Bd, K, V]
             if all_greedy:  # `probabilities` at T = 0 is the plain softmax, bit for bit
                 q = torch.softmax(logits, -1)
                 x = argmax(q)  # [Bd, K]

@@ -34,6 +34,8 @@ class KVCache:
         if width > self.max_len:
             raise ValueError(f"cache window {width} exceeds the cache length {self.max_len}")
         k, v = self.k[layer], self.v[layer]
+        if torch.compiler.is_compiling():  # a compiled forward slices (as_strided on an offset does not trace)
+            return k[row0 : row0 + rows, :, :width], v[row0 : row0 + rows, :, :width]
         shape, strides = (rows, k.shape[1], width, k.shape[3]), k.stride()  # one as_strided: ~1 µs, two slices ~2.5
         offset = row0 * strides[0]
         return (k.as_strided(shape, strides, k.storage_offset() + offset),

@@ -90,6 +90,8 @@ class ShapeAwareLinear(nn.Linear):
         return self.__dict__["_derived"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled program packs its own weights (workers/compiled.py)
+            return F.linear(x, self.weight, self.bias)
         w32, b32, packed = self.__dict__.get("_derived") or self._derive()
         if w32 is not None and x.numel() * self.out_features <= self.threshold:  # numel = rows × in
             return F.linear(x.float(), w32, b32).to(x.dtype)

@@ -213,6 +213,8 @@ class DecoderWorker:
         self.plugin = plugin_factory(self.worker_id) if plugin_factory is not None else None
         sink = self.plugin.trace_sink() if self.plugin is not None else None
         self.engine = Engine(EngineConfig(**engine_config), decisions=None, trace_sink=sink)
+        # compile the decode steps before the cost model is profiled and before any request (no-op if eager)
+        self.warm_up = self.engine.warm_up()
         if self.plugin is not None:
             decisions = self.plugin.decisions(self.engine)
             if decisions is not None:
@@ -225,7 +227,8 @@ class DecoderWorker:
 
     # -- actor methods ------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "node": _node_id()}
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "node": _node_id(),
+                "compiled": self.engine.compiled, "warm_up": self.warm_up}
 
     def load(self) -> dict[str, Any]:
         return self.loop.load()

