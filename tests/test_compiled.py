@@ -47,7 +47,7 @@ def test_warm_up_compiles_every_program_decoding_needs(warmed):
     assert isinstance(engine.target_forward, CompiledTarget)
     assert report["steps"] > 0 and report["seconds"] > 0
     before = _programs()
-    assert before >= 4  # one row / several, one new token / several
+    assert before >= 6  # target: one row / several, one token / several, one start / per row; drafter pass
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=4), DecodeKnobs(steps=1, draft_len=16)]
     for i, kn in enumerate(knobs):  # one row at a time, then three together with different lengths
@@ -91,8 +91,8 @@ def test_compiled_forward_matches_the_eager_one(warmed):
     target, cache, capture = engine.target, engine.tcache, engine.capture
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for B, T, ragged in ((1, 1, False), (1, 5, False), (3, 1, True), (3, 6, True)):
-            start = torch.tensor([9, 4, 12][:B])
+        for B, T, ragged in ((1, 1, False), (1, 5, False), (3, 1, True), (3, 6, True), (3, 1, False), (3, 6, False)):
+            start = torch.tensor([9, 4, 12][:B]) if ragged else torch.full((B,), 9)
             ids = torch.randint(0, 16, (B, T), generator=gen)
             width = int(start.max()) + T
             start_value = int(start[0]) if not ragged else None

@@ -30,7 +30,8 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "adapt.cli", "serve", "--target", str(target), "--drafter", str(drafter),
              "--port", str(port), "--num-workers", "1", "--max-batch", "4", "--max-len", "256",
-             "--threads-per-worker", "1", "--default-max-tokens", "8"],
+             "--threads-per-worker", "1", "--default-max-tokens", "8",
+             "--compile", "off"],  # compiled steps take minutes to warm up; tests/test_compiled.py covers them
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
