@@ -15,7 +15,7 @@ $PY -m workers.training.target --out models/demo/target --steps 1400 --batch 16 
 
 # 2. Its block-diffusion drafter, trained on the target's own continuations of training-split
 #    prompts, then evaluated by exact speculative decoding on held-out prompts (drafter/eval.json).
-$PY -m adapt.cli train-drafter --target models/demo/target --out models/demo/drafter --regenerate --num-sequences 3072 --prompt-len 64 --seq-len 384 --sample-frac 0.25 --steps 4000 --batch 8 --anchors 24 --layers 2 --block-size 16 --save-every 100 --seed 0 --threads 2 $RESUME_FLAG
+$PY -m adapt.cli train-drafter --target models/demo/target --out models/demo/drafter --regenerate --num-sequences 6144 --prompt-len 64 --seq-len 384 --sample-frac 0.25 --steps 4500 --batch 8 --anchors 24 --layers 2 --block-size 16 --save-every 100 --seed 0 --threads 2 $RESUME_FLAG
 
 # 3. The demo policy file (what `adapt serve` starts with): the adaptive policy with its acceptance
 #    predictor fitted on `explore` traces of this pair (every serving worker profiles its own cost).
