@@ -13,9 +13,10 @@ busy machine slows all of them alike; compare the ratios, not the absolute times
 - `fused+packed`: fused, shape-aware linears without fp32 shadows (threshold 0);
 - `fused+sa`: fused and shape-aware linears, the engine's default on CPU (workers/linear.py);
 - `sa@N` (`--thresholds`): `fused+sa` with `SMALL_MATMUL_MACS` = N;
-- `compiled` (`--compile`): `fused` with `torch.compile(forward, dynamic=True)` (inductor
-  cannot lower the packed weights of `fused+sa`); its compile time (first calls) is reported
-  separately.
+- `compiled` (`--compile`): `fused` with a plain `torch.compile(forward, dynamic=True)`, no
+  freezing; its compile time (first calls) is reported separately. This is *not* the engine's
+  compiled path (workers/compiled.py: freezing, cpp_wrapper; docs/engine.md, "Compiled decode
+  steps"), which measured 0.5-0.6x of the eager forward where this one measured 0.9-1.3x.
 Each (B, T) decodes T new tokens per row after `--context` cached ones: T = 1 is an
 autoregressive step, T = 17 a verification of 16 drafts. Rows share their start position and
 the forward is told so (`start_value`), as the engine does for such batches.
