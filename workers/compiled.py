@@ -9,8 +9,9 @@ hands the forward to `torch.compile` with inductor settings that together remove
 - **cpp_wrapper**: the generated program calls its kernels from C++, not from Python;
 - **dynamic shapes**: one program serves every batch size, query length, cache width and start
   position (sizes and ints equal to 0 or 1 are specialised by torch, so a call pattern has a few
-  programs, not one per shape; `CompiledTarget` lists the target's six). Arguments that must stay constant (the captured layer indices)
-  are bound once as attributes of a wrapper module, which dynamo treats as constants.
+  programs, not one per shape; `CompiledTarget` lists the target's six). Arguments that must
+  stay constant (the captured layer indices) are bound once as attributes of a wrapper module,
+  which dynamo treats as constants.
 
 Inductor reads these settings when dynamo hands it a graph, inside a call rather than inside
 `torch.compile`, so every call runs under `inductor_config.patch` (a few µs) and the settings
@@ -18,7 +19,7 @@ never leak into other compiled code of the process.
 
 A **call pattern** is a path through the forward's Python branches (one start for all rows or
 not, one new token or several, logits for all positions or some): each compiles on its first
-call, seconds to tens of seconds on 2 cores (inductor's on-disk cache shortens later processes).
+call, 15-30 s on 2 cores (freezing bypasses inductor's on-disk cache: every process compiles anew).
 `warm_up` compiles the ones the engine uses before serving. Numerics are inductor's: the same
 math with its own fusion and reduction order, so logits differ from the eager forward by rounding
 (exactness tests compare decoding within one forward mode).
