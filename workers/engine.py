@@ -70,8 +70,9 @@ class EngineConfig:
     shape_aware_linear: on CPU, run the bf16/fp16 target's and drafter's matmuls through packed
     oneDNN weights, the smallest through fp32 copies (workers/linear.py; ignored on GPUs and in
     fp32; False = plain `F.linear`); compile: "on" | "off" | "auto" (on for CPU devices), or a
-    bool: run the target's decode steps as compiled programs (workers/compiled.py; call
-    `warm_up()` before serving, or the first steps of each kind compile on the spot)."""
+    bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
+    (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
+    compile on the spot)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -286,7 +287,7 @@ class Engine:
         lens = torch.tensor([len(r.prompt) for r in new], device=dev)
         zero = torch.zeros(m, dtype=torch.long, device=dev)
         logits, hidden = self.target_forward(ids, zero, self.tcache, row0, P, logits_index=(lens - 1)[:, None],
-                                     start_value=0)
+                                             start_value=0)
         if self.drafter is not None:
             pos = torch.arange(P, device=dev).expand(m, P)
             self.dcache.write_span(self.drafter.context_kv(hidden, pos, bound=self.dcache.max_len), row0, 0)
@@ -374,7 +375,7 @@ class Engine:
         inp = torch.cat([anchors[:, None], drafts[:, :kmax]], 1)  # [B, Tq]
         width = max(r.length for r in run) + Tq
         logits, hidden = self.target_forward(inp, lengths, self.tcache, 0, width,  # [B, Tq, V]
-                                     start_value=_common([r.length for r in run]))
+                                             start_value=_common([r.length for r in run]))
         if self.drafter is not None:
             self._stash(hidden, Tq)
         n = sum(k_host)
