@@ -43,6 +43,14 @@ def test_every_row_and_batch_is_reported(report):
         assert e["tau"] >= 1.0
 
 
+def test_adapt_rows_compile_by_default_and_report_their_warm_up(report):
+    _, rep = report
+    assert rep["config"]["compile"] == "auto"
+    warm = rep["config"]["warm_up"]  # CPU: every adapt row compiled its decode steps before timing
+    assert set(warm) == {"adapt", "adapt-policy", "adapt-ar", "adapt-target"}
+    assert all(w["steps"] > 0 and w["seconds"] > 0 for w in warm.values()), warm
+
+
 def test_missing_vllm_and_batched_lookup_are_skipped_with_reasons(report):
     _, rep = report
     by = {(e["row"], e["batch"]): e for e in rep["results"]}
