@@ -32,8 +32,9 @@ import time
 import torch
 from torch import nn
 
+from workers.request import COMPILE_CHOICES
+
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
-COMPILE_CHOICES = ("auto", "on", "off")
 RECOMPILE_LIMIT = 64  # programs per compiled function (torch's default of 8 is too few)
 
 

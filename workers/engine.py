@@ -38,7 +38,7 @@ from kernels.verify import VerifyOutput
 from kernels.reference import race
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
-from workers.compiled import CompiledTarget, compile_forward, resolve_compile
+from workers.compiled import CompiledTarget, compile_forward, resolve_compile, warm_up
 from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
                                exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
@@ -176,8 +176,6 @@ class Engine:
         (`workers.compiled.warm_up`); a no-op without `compile`. Call before serving."""
         if not self.compiled:
             return {"seconds": 0.0, "steps": 0}
-        from workers.compiled import warm_up
-
         if self.running or self.waiting:
             raise EngineInputError("warm_up: the engine has requests; warm up before adding any")
         return warm_up(self)

