@@ -4,7 +4,8 @@ A *policy* answers three calls from the engine every step, for every row of the 
 
 - ``choose_steps(rows) -> [B] int64``: diffusion steps ``s`` before drafting (0 = no draft);
 - ``choose_verify(rows, draft) -> VerifyDecision``: after drafting, the draft length ``k`` to
-  verify and the acceptance rule with its parameters (the leniency);
+  verify and the acceptance rule with its parameters (the leniency); not asked on a step where
+  no row drafts (there is nothing to verify);
 - ``observe(rows, outcome)``: what happened (accepted drafts, TVD spent, step time).
 
 `Policy` implements the bookkeeping every policy needs (per-request targets and SLA progress,
@@ -124,6 +125,7 @@ class Policy:
         steps = self._steps(rows, ctx).to(device=device, dtype=torch.int64)
         self.last_steps = steps
         self.decision_s += time.thread_time() - t0
+        self.steps_decided += 1
         return steps
 
     def choose_verify(self, rows, draft):
@@ -132,7 +134,6 @@ class Policy:
         ctx = self._ctx(rows, draft.confidence.device)
         decision = self._verify(rows, draft, ctx)
         self.decision_s += time.thread_time() - t0
-        self.steps_decided += 1
         return decision
 
     def observe(self, rows, outcome) -> None:

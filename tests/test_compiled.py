@@ -55,6 +55,16 @@ def test_warm_up_compiles_every_program_decoding_needs(warmed):
     for i, kn in enumerate(knobs):
         engine.add_request(f"b{i}", list(range(2, 5 + 3 * i)), params, kn)
     run_to_completion(engine, [])
+    # rows that decode without drafts for a while, then draft (the drafter context of several
+    # stashed positions is written at once): one row, then two with different lengths
+    for rows in (1, 2):
+        for i in range(rows):
+            engine.add_request(f"s{i}", list(range(3, 6 + 4 * i)), params, DecodeKnobs(draft_len=0))
+        for _ in range(3):
+            engine.step()
+        for i in range(rows):
+            engine.set_knobs(f"s{i}", DecodeKnobs(steps=1, draft_len=16))
+        run_to_completion(engine, [])
     assert _programs() == before, "decoding after warm_up compiled a new program"
 
 
@@ -120,3 +130,25 @@ def test_eager_engine_does_not_compile(tmp_path):
                     decisions=StaticDecisions())
     assert not engine.compiled and not isinstance(engine.target_forward, CompiledTarget)
     assert engine.warm_up() == {"seconds": 0.0, "steps": 0}
+
+
+def test_two_compiled_targets_keep_their_own_programs(tmp_path):
+    """Compiled programs skip guards on module attributes, and freezing bakes the weights in, so
+    each compiled function must have its own programs: two targets of the same architecture and
+    different weights, compiled in one process, each give their own logits."""
+    from workers.compiled import mark_static
+    from workers.target_model import load_target
+
+    targets = [load_target(make_tiny_pair(tmp_path / f"p{seed}", vocab=16, seed=seed)[0]) for seed in (1, 2)]
+    ids, start = torch.tensor([[3, 5]]), torch.tensor([4])
+    with torch.inference_mode():
+        for target in targets:
+            cache = target.new_cache(2, 32)
+            mark_static(*cache.k, *cache.v)
+            compiled = CompiledTarget(target, (0,))
+            for _ in range(3):  # the first call runs eagerly; the second compiles; the third reuses
+                got, _ = compiled(ids, start, cache, 0, 6, start_value=4)
+            want, _ = target(ids, start, cache, 0, 6, (0,), start_value=4)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(targets[0](ids, start, targets[0].new_cache(2, 32), 0, 6)[0],
+                                  targets[1](ids, start, targets[1].new_cache(2, 32), 0, 6)[0])

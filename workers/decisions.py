@@ -4,7 +4,8 @@ Every engine step asks a `DecisionMaker` twice per row:
 1. `choose_steps(rows)`: diffusion steps `s` (0 = do not draft, decode autoregressively);
 2. `choose_verify(rows, draft)`: after drafting, the draft length `k` to verify and the
    acceptance rule with its parameters, from features of the draft distributions only
-   (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks);
+   (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
+   Not asked on a step where no row drafts (every s = 0): there is nothing to verify;
 and reports the outcome with `observe`. The engine never imports policies or the controller;
 it is handed an object with these three methods. `StaticDecisions` (the default) returns each
 request's own `DecodeKnobs`.

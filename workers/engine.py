@@ -38,7 +38,7 @@ from kernels.verify import VerifyOutput
 from kernels.reference import race
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
-from workers.compiled import CompiledTarget, compile_forward, resolve_compile, warm_up
+from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
                                exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
@@ -145,10 +145,13 @@ class Engine:
         self.target_forward = functools.partial(self.target, capture=self.capture)
         # draft_pass(tokens, masked, ctx_kv, mask, cos, sin): one denoising pass (`block_logits`)
         self.draft_pass = None if self.drafter is None else self.drafter.block_logits
+        # context_kv(hidden, positions): the drafter-context K/V of stashed target hidden states
+        self.context_kv = None if self.drafter is None else functools.partial(self.drafter.context_kv, bound=cap)
         if self.compiled:
             self.target_forward = CompiledTarget(self.target, self.capture)
             if self.drafter is not None:
                 self.draft_pass = compile_forward(self.drafter, "block_logits")
+                self.context_kv = compile_forward(self.drafter, "context_kv", bound=cap)
         self.dcache = None
         if self.drafter is not None:
             from workers.kv_cache import KVCache
@@ -159,6 +162,10 @@ class Engine:
             width = len(self.capture) * tcfg.hidden_size
             # [max_batch, PENDING_WINDOW, n * H] target hidden states not yet in the drafter context
             self.pending = torch.zeros(config.max_batch, PENDING_WINDOW, width, dtype=self.dtype, device=self.device)
+        if self.compiled:  # the buffers' shapes are constants of the compiled programs
+            mark_static(*self.tcache.k, *self.tcache.v)
+            if self.dcache is not None:
+                mark_static(*self.dcache.k, *self.dcache.v, self.pending)
         K = max(self.block, 1)
         self.acc_counts = torch.zeros(config.max_batch, K, device=self.device)    # accepted at draft position j
         self.reach_counts = torch.zeros(config.max_batch, K, device=self.device)  # verified with all before accepted
@@ -315,6 +322,8 @@ class Engine:
         rows = self._row_state()
         steps = self.decisions.choose_steps(rows).to(torch.int64).clamp(0, K)
         s_host = steps.tolist()
+        if max(s_host) == 0:  # no row drafts this step
+            return self._decode_plain(rows, t0)
         temp, top_k, top_p = self._sampling_tensors(run)
         lengths = torch.tensor([r.length for r in run], device=dev)  # [B] L
         anchors = torch.tensor([r.output[-1] for r in run], device=dev)  # [B]
@@ -376,7 +385,6 @@ class Engine:
                                              start_value=_common([r.length for r in run]))
         if self.drafter is not None:
             self._stash(hidden, Tq)
-        n = sum(k_host)
         tracing = self.trace_sink is not None
         if kmax == 0:  # no row verifies a draft: each row just samples its next token
             host = self._sample_next(logits[:, 0], run, temp, top_k, top_p, (conf, ent, margin) if tracing else ())
@@ -385,7 +393,40 @@ class Engine:
             host, Kc = self._verify_commit(logits, drafts, q_full, k_host, rule_host, k, rule, param, param2,
                                            temp, top_k, top_p, (conf, ent, margin) if tracing else ())
         now = time.perf_counter()
+        return self._conclude(rows, host, Tq, Kc, s_host, k_host, rule_host, p1_host, p2_host, t0, t_draft, now)
 
+    def _decode_plain(self, rows: RowState, t0: float) -> list[RequestOutput]:
+        """The decode step when no row drafts (every s = 0; autoregressive decoding): one target
+        forward over each row's anchor, one token per row, without the drafting and verification
+        machinery. `choose_verify` is not asked (there is nothing to verify); each row records its
+        exact rule (GREEDY at T = 0, REJECTION otherwise) with parameters 0."""
+        dev, run, B = self.device, self.running, len(self.running)
+        lens = [r.length for r in run]
+        logits, hidden = self.target_forward(torch.tensor([[r.output[-1]] for r in run], device=dev),  # [B, 1, V]
+                                             torch.tensor(lens, device=dev), self.tcache, 0, max(lens) + 1,
+                                             start_value=_common(lens))
+        if self.drafter is not None:
+            self._stash(hidden, 1)
+        sampled = any(r.generator is not None for r in run)
+        temp, top_k, top_p = self._sampling_tensors(run) if sampled else (None, None, None)
+        feats = ()
+        if self.trace_sink is not None:  # rows that do not draft have zero features
+            zeros = torch.zeros(B, max(self.block, 1), device=dev)
+            feats = (zeros, zeros, zeros)
+        host = self._sample_next(logits[:, 0], run, temp, top_k, top_p, feats)
+        rule_host = [int(Rule.REJECTION if r.params.temperature > 0 else Rule.GREEDY) for r in run]
+        zero = [0] * B
+        now = time.perf_counter()
+        return self._conclude(rows, host, 1, 0, zero, zero, rule_host, zero, zero, t0, t0, now)
+
+    def _conclude(self, rows, host, Tq, Kc, s_host, k_host, rule_host, p1_host, p2_host, t0, t_draft, now):
+        """The host side of a decode step, after its one host read: advance each row by its
+        accepted drafts + 1, emit its tokens, apply stop conditions, write trace records, tell the
+        decision maker, free finished slots. host: one row per request as `_verify_commit` packs it
+        (Tq target positions, Kc counter width: 0 = the counters did not change)."""
+        run, K, B = self.running, self.block, len(self.running)
+        n = sum(k_host)
+        tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
         for i, (req, row) in enumerate(zip(run, host)):
             ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
@@ -549,14 +590,14 @@ class Engine:
         common = _common(starts)
         if common is not None and idx == list(range(idx[0], idx[0] + len(idx))):  # a slice of rows, one start
             pos = torch.arange(common, common + P, device=dev).expand(len(idx), P)      # [n, P]
-            kv = self.drafter.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P], pos, bound)
+            kv = self.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P], pos)
             self.dcache.write_span(kv, idx[0], common)
         else:
             rows = torch.tensor(idx, device=dev)
             start = torch.tensor(starts, device=dev)                                     # [n]
             pos = start[:, None] + torch.arange(P, device=dev)                           # [n, P]
             # a row's entries past its own count land at positions >= L: masked, overwritten later
-            kv = self.drafter.context_kv(self.pending[rows, :P], pos.clamp(max=bound - 1), bound)
+            kv = self.context_kv(self.pending[rows, :P], pos.clamp(max=bound - 1))
             self.dcache.write_rows(kv, rows, start)
         for i in idx:
             run[i].ctx_len = run[i].length
