@@ -15,7 +15,7 @@ from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
 from workers.compiled import CompiledTarget, resolve_compile
 from workers.decisions import StaticDecisions
-from workers.engine import Engine, EngineConfig
+from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
 MAX_TOKENS = 20
@@ -65,6 +65,16 @@ def test_warm_up_compiles_every_program_decoding_needs(warmed):
         for i in range(rows):
             engine.set_knobs(f"s{i}", DecodeKnobs(steps=1, draft_len=16))
         run_to_completion(engine, [])
+    # two rows that decode without drafts until their stashes of target hidden states are full
+    # (PENDING_WINDOW positions written to the drafter context at once), then draft
+    for i in range(2):
+        engine.add_request(f"long{i}", [4, 5, 6 + i], SamplingParams(max_tokens=PENDING_WINDOW + 8, ignore_eos=True),
+                           DecodeKnobs(draft_len=0))
+    for _ in range(PENDING_WINDOW + 2):
+        engine.step()
+    for i in range(2):
+        engine.set_knobs(f"long{i}", DecodeKnobs(steps=1, draft_len=16))
+    run_to_completion(engine, [])
     assert _programs() == before, "decoding after warm_up compiled a new program"
 
 

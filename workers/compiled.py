@@ -24,6 +24,12 @@ that the program guards on and receives as an argument (the C++ wrapper turns ea
 ~4 µs). Buffers whose shapes never change (the KV caches) are marked static (`mark_static`):
 at batch 1 that took a decode forward from 1.91 to 1.68 ms, and the stance from 1.68 to 1.57.
 
+**No guards on the modules.** The modules are frozen (their weights are constants of the
+programs), so the programs do not guard on module attributes (`guard_filter_fn`), which dynamo
+would otherwise check on every call. Programs are then told apart only by their arguments, so no
+two compiled functions may share programs: dynamo keeps them per code object, and every compiled
+function gets its own copy of the wrapper's code.
+
 A **call pattern** is a path through the forward's Python branches (one start for all rows or
 not, one new token or several, logits for all positions or some): each compiles on its first
 call, 15-30 s on 2 cores (freezing bypasses inductor's on-disk cache: every process compiles anew).
@@ -125,10 +131,9 @@ class CompiledTarget:
     several, and for several rows one start for all (`start_value`) or per-row starts. Prefills
     (calls with `logits_index`: once per request, long, of any length) run eagerly.
 
-    Per-row starts cost more compiled than one start: at 8 rows, one new token each, 2 threads,
-    the compiled forward took 5.9 ms with per-row starts against 3.6 ms with one start (eager:
-    6.8 / 6.1 ms): its attention carries a per-row mask, which inductor hands to the eager SDPA
-    kernel instead of fusing it."""
+    Per-row starts cost a little more than one start: at 8 rows, one new token each, 2 threads,
+    2.35 against 2.19 ms (the per-row K/V writes go into the whole cache tensors, in place:
+    `workers.target_model.write_kv`)."""
 
     def __init__(self, target: nn.Module, capture: tuple[int, ...]):
         self.target, self.capture = target, capture

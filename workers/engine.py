@@ -411,7 +411,7 @@ class Engine:
         temp, top_k, top_p = self._sampling_tensors(run) if sampled else (None, None, None)
         feats = ()
         if self.trace_sink is not None:  # rows that do not draft have zero features
-            zeros = torch.zeros(B, max(self.block, 1), device=dev)
+            zeros = torch.zeros(B, self.block, device=dev)
             feats = (zeros, zeros, zeros)
         host = self._sample_next(logits[:, 0], run, temp, top_k, top_p, feats)
         rule_host = [int(Rule.REJECTION if r.params.temperature > 0 else Rule.GREEDY) for r in run]
@@ -589,8 +589,11 @@ class Engine:
         starts = [run[i].ctx_len for i in idx]
         common = _common(starts)
         if common is not None and idx == list(range(idx[0], idx[0] + len(idx))):  # a slice of rows, one start
-            pos = torch.arange(common, common + P, device=dev).expand(len(idx), P)      # [n, P]
-            kv = self.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P], pos)
+            # fresh contiguous tensors, as the gathered rows below are, whatever P: a compiled
+            # context_kv then has the same programs for both (a slice of the stash is contiguous
+            # only when P = PENDING_WINDOW, and is not an inference tensor)
+            pos = torch.arange(common, common + P, device=dev).repeat(len(idx), 1)      # [n, P]
+            kv = self.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P].clone(), pos)
             self.dcache.write_span(kv, idx[0], common)
         else:
             rows = torch.tensor(idx, device=dev)
