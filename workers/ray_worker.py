@@ -264,10 +264,19 @@ class DecoderWorker:
         self.loop.add(rid, args, stream)
         detok = _Detokenizer(self.tokenizer)
         stops = list(request.get("stop") or [])
-        first_time, n_tokens, finished = None, 0, False
+        first_time, n_tokens, finished, held = None, 0, False, None
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held, item_time = None, item.get("time")
+                # what the engine produced meanwhile goes out in the same chunk: a consumer that
+                # fell behind catches up in one message instead of one per engine step
+                while not item.get("finished") and not item.get("error") and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if nxt.get("error"):
+                        held = nxt
+                        break
+                    item = {**nxt, "token_ids": item["token_ids"] + nxt["token_ids"]}
                 if item.get("error") and not item.get("token_ids"):
                     err = item["error"]
                     finished = True  # the engine already dropped the request: nothing to abort
@@ -275,7 +284,7 @@ class DecoderWorker:
                     return
                 ids = item["token_ids"]
                 if ids and first_time is None:
-                    first_time = item["time"]
+                    first_time = item_time
                 n_tokens += len(ids)
                 finished = item["finished"]
                 reason = item.get("finish_reason")
