@@ -165,7 +165,7 @@ class Engine:
         if self.compiled:  # the buffers' shapes are constants of the compiled programs
             mark_static(*self.tcache.k, *self.tcache.v)
             if self.dcache is not None:
-                mark_static(*self.dcache.k, *self.dcache.v, self.pending)
+                mark_static(*self.dcache.k, *self.dcache.v)
         K = max(self.block, 1)
         self.acc_counts = torch.zeros(config.max_batch, K, device=self.device)    # accepted at draft position j
         self.reach_counts = torch.zeros(config.max_batch, K, device=self.device)  # verified with all before accepted
