@@ -122,3 +122,25 @@ def test_manifest_hashes_shipped_files_and_detects_changes(tiny_target, tiny_dra
     assert m["drafter_eval"] and check_manifest(root) == []
     (root / "drafter" / "config.json").write_text("{}")
     assert check_manifest(root) == ["sha256 differs: drafter/config.json"]
+
+
+def test_loop_detector_finds_periodic_tails_only():
+    from workers.training.target_eval import is_loop
+
+    periodic = torch.tensor([7, 8, 9]).repeat(40)                          # period 3
+    late = torch.cat((torch.arange(100, 160), torch.arange(5).repeat(12)))  # loops only at the end
+    varied = torch.arange(120)                                             # never repeats
+    almost = periodic.clone()
+    almost[-10] = 99                                                       # one break inside the window
+    assert is_loop(torch.stack((periodic, late, varied, almost))).tolist() == [True, True, False, False]
+
+
+def test_target_eval_reports_perplexity_and_loop_share(tiny_target, tmp_path):
+    from workers.training import target_eval
+
+    out = tmp_path / "target_eval.json"
+    target_eval.main(["--target", str(tiny_target), "--num-prompts", "3", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["heldout_perplexity"] > 1 and report["num_prompts"] == 3
+    share = report["loop_share_128_greedy"]
+    assert 0.0 <= share <= 1.0 and abs(share * 3 - round(share * 3)) < 1e-6
