@@ -66,28 +66,36 @@ def continue_greedy_or_sampled(target, prompts: torch.Tensor, new_tokens: int, t
                                gen: torch.Generator, autocast: bool = True) -> torch.Tensor:
     """Extend prompts [B, P] by `new_tokens` tokens of the target: greedy where
     temperature [B] is 0, sampled at that temperature elsewhere. Returns [B, P + new_tokens].
-    End-of-text does not stop a row (the corpus is files joined by end-of-text)."""
+    End-of-text does not stop a row (the corpus is files joined by end-of-text).
+
+    A preallocated (static) KV cache is written in place, so a step costs the same at every
+    length (a growing cache re-copies all earlier keys and values each step); only the sampled
+    rows draw noise."""
     import inspect
 
-    from transformers import DynamicCache
+    from transformers import StaticCache
 
     device = prompts.device
-    cache = DynamicCache()
+    B, P = prompts.shape
+    cache = StaticCache(config=target.config, max_cache_len=P + new_tokens)
     # transformers >= 5.x names the argument `cache`; older versions `past_key_values`
     cache_arg = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
-    seq = prompts
-    step_input = prompts
-    temp = temperature.to(device)[:, None]
+    temp = temperature.to(device)
+    sampled = (temp > 0).nonzero().flatten()                          # [S] rows drawn at temperature
+    out = torch.empty(B, new_tokens, dtype=torch.long, device=device)
+    step_input, positions = prompts, torch.arange(P, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        for _ in range(new_tokens):
-            out = target(input_ids=step_input, use_cache=True, **{cache_arg: cache})
-            logits = out.logits[:, -1].float()  # [B, V]
-            probs = torch.softmax(logits / temp.clamp(min=1e-6), dim=-1)
-            noise = torch.empty(probs.shape).exponential_(1, generator=gen).to(device)
-            nxt = torch.where(temp[:, 0] > 0, (probs / noise).argmax(-1), logits.argmax(-1))  # [B]
-            seq = torch.cat((seq, nxt[:, None]), dim=1)
-            step_input = nxt[:, None]
-    return seq
+        for i in range(new_tokens):
+            logits = target(input_ids=step_input, cache_position=positions, use_cache=True, logits_to_keep=1,
+                            **{cache_arg: cache}).logits[:, -1].float()  # [B, V]
+            nxt = logits.argmax(-1)                                    # [B]
+            if len(sampled):
+                probs = torch.softmax(logits[sampled] / temp[sampled, None], dim=-1)  # [S, V]
+                noise = torch.empty(probs.shape).exponential_(1, generator=gen).to(device)
+                nxt[sampled] = (probs / noise).argmax(-1)
+            out[:, i] = nxt
+            step_input, positions = nxt[:, None], positions[-1:] + 1
+    return torch.cat((prompts, out), dim=1)
 
 
 def regenerate(target, stream: torch.Tensor, num_sequences: int, prompt_len: int, seq_len: int,
