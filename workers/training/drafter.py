@@ -85,8 +85,34 @@ def sample_known(B: int, n: int, K: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(mode < 0.5, torch.zeros_like(prefix), torch.where(mode < 0.75, prefix, subset))
 
 
+def loss_terms(logits: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position loss terms of the drafter against the target.
+
+    logits, target_logits: [B, n, K, V] (any float dtype). Returns the cross-entropy to the
+    target's greedy token, TV(q, p) = ½ Σ |q − p| and that greedy token, each [B, n, K]."""
+    p_target = torch.softmax(target_logits.float(), -1)
+    labels = target_logits.argmax(-1)
+    logq = torch.log_softmax(logits.float(), -1)
+    ce = -logq.gather(-1, labels[..., None]).squeeze(-1)
+    tv = 0.5 * (logq.exp() - p_target).abs().sum(-1)
+    return ce, tv, labels
+
+
+_compiled_loss_terms = None
+
+
+def fused_loss_terms(logits: torch.Tensor, target_logits: torch.Tensor):
+    """`loss_terms` compiled: its forward and backward fuse into a few passes over the [B, n, K, V]
+    tensors (about 3x faster on CPU than eager, where these vocabulary-wide element-wise ops take
+    most of a training step). Shapes are fixed within a run, so it compiles once."""
+    global _compiled_loss_terms
+    if _compiled_loss_terms is None:
+        _compiled_loss_terms = torch.compile(loss_terms, fullgraph=True, dynamic=False)
+    return _compiled_loss_terms(logits, target_logits)
+
+
 def drafter_loss(drafter, target, seqs: torch.Tensor, anchors: torch.Tensor, known: torch.Tensor,
-                 weights: torch.Tensor, tv_weight: float, autocast: bool) -> tuple[torch.Tensor, dict]:
+                 weights: torch.Tensor, tv_weight: float, autocast: bool, compile: bool = False) -> tuple[torch.Tensor, dict]:
     """One packed forward over all anchors: seqs [B, T], anchors [B, n], known [B, n, K]."""
     B, T = seqs.shape
     n, K = anchors.shape[1], known.shape[2]
@@ -95,13 +121,11 @@ def drafter_loss(drafter, target, seqs: torch.Tensor, anchors: torch.Tensor, kno
         with torch.no_grad():
             out = target(input_ids=seqs, output_hidden_states=True)
             feats = context_features(out.hidden_states, drafter.config.target_layer_ids)  # [B, T, n*H]
-            t_logits = out.logits
         offs = torch.arange(K + 1, device=dev)
         pos_blk = anchors[..., None] + offs                     # [B, n, K + 1] absolute positions
         label_pos = pos_blk[..., 1:] - 1                        # the target predicts x_{a+j} at a+j-1
-        gather = lambda t: t.gather(1, label_pos.reshape(B, -1)[..., None].expand(-1, -1, t.shape[-1]))
-        p_target = torch.softmax(gather(t_logits).float(), -1).view(B, n, K, -1)  # [B, n, K, V]
-        labels = p_target.argmax(-1)                                          # [B, n, K]
+        rows = torch.arange(B, device=dev)[:, None]
+        t_logits = out.logits[rows, label_pos.reshape(B, -1)].view(B, n, K, -1)  # [B, n, K, V]
         tokens = seqs.gather(1, pos_blk.reshape(B, -1)).view(B, n, K + 1)     # anchor + true tokens
         masked = torch.cat((torch.zeros(B, n, 1, dtype=torch.bool, device=dev), ~known), -1)
         Q = n * (K + 1)
@@ -111,10 +135,8 @@ def drafter_loss(drafter, target, seqs: torch.Tensor, anchors: torch.Tensor, kno
         ctx_kv = drafter.context_kv(feats, torch.arange(T, device=dev).expand(B, T))
         embeds = drafter.embed_block(tokens.view(B, Q), masked.view(B, Q))
         hidden = drafter.forward_block(embeds, pos_blk.view(B, Q), ctx_kv, ctx_mask, block_mask)
-        logits = drafter.logits(hidden.view(B, n, K + 1, -1)[:, :, 1:]).float()  # [B, n, K, V]
-    logq = torch.log_softmax(logits, -1)
-    ce = F.nll_loss(logq.flatten(0, 2), labels.flatten(), reduction="none").view(B, n, K)
-    tv = 0.5 * (logq.exp() - p_target).abs().sum(-1)                        # [B, n, K]
+        logits = drafter.logits(hidden.view(B, n, K + 1, -1)[:, :, 1:])     # [B, n, K, V]
+    ce, tv, labels = (fused_loss_terms if compile else loss_terms)(logits, t_logits)  # [B, n, K] each
     w = weights.to(dev) * (~known).float()                                   # loss on masked positions only
     loss = ((ce + tv_weight * tv) * w).sum() / w.sum().clamp(min=1)
     with torch.no_grad():
@@ -209,7 +231,8 @@ def train(args) -> dict:
             seqs = random_windows(pool, args.batch, args.seq_len, gen)
         anchors = sample_anchors(args.batch, seqs.shape[1], args.anchors, lo, args.block_size, gen)
         known = sample_known(args.batch, anchors.shape[1], args.block_size, gen)
-        loss, stats = drafter_loss(drafter, target, seqs, anchors, known, weights, args.tv_weight, autocast)
+        loss, stats = drafter_loss(drafter, target, seqs, anchors, known, weights, args.tv_weight, autocast,
+                                   compile=not args.no_compile)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint and exit after this many steps of this run (time-sliced training; then --resume)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager loss terms (default: compiled with torch.compile, ~3x faster on CPU)")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the evaluation (0 = skip)")
     p.add_argument("--eval-prompt-len", type=int, default=128)
     p.add_argument("--eval-tokens", type=int, default=128, help="tokens generated per prompt")
