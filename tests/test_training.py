@@ -142,5 +142,6 @@ def test_target_eval_reports_perplexity_and_loop_share(tiny_target, tmp_path):
     target_eval.main(["--target", str(tiny_target), "--num-prompts", "3", "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["heldout_perplexity"] > 1 and report["num_prompts"] == 3
+    assert 0 < report["own_greedy_top1_prob"] <= 1 and report["own_greedy_entropy_nats"] >= 0
     share = report["loop_share_128_greedy"]
     assert 0.0 <= share <= 1.0 and abs(share * 3 - round(share * 3)) < 1e-6

@@ -5,7 +5,8 @@
 A greedy continuation "collapses into a repetition loop" when its last `LOOP_WINDOW` tokens are
 periodic with some period p ≤ `MAX_PERIOD` (token i equals token i − p throughout the window).
 A looping target flatters every speculation method, so the share of looping continuations is
-reported next to the speculative-decoding numbers.
+reported next to the speculative-decoding numbers. So is the target's confidence in its own
+greedy continuations (mean top-1 probability, entropy): what a drafter can hope to agree with.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def evaluate_target(target_dir: str, num_prompts: int = 64, prompt_len: int = 64
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     loops = is_loop(out[:, prompt_len:])
+    confidence = own_confidence(model, out, prompt_len)
     return {
         "heldout_perplexity": math.exp(nll / y.numel()),
         "heldout_top1": correct / y.numel(),
@@ -76,7 +78,24 @@ def evaluate_target(target_dir: str, num_prompts: int = 64, prompt_len: int = 64
         "loop_definition": f"last {LOOP_WINDOW} tokens periodic with period <= {MAX_PERIOD}",
         "num_prompts": num_prompts,
         "prompt_len": prompt_len,
+        **{f"own_greedy_{k}": v for k, v in confidence.items()},
+        **{f"own_greedy_no_loop_{k}": v for k, v in own_confidence(model, out[~loops], prompt_len).items()},
     }
+
+
+@torch.no_grad()
+def own_confidence(model, sequences: torch.Tensor, prompt_len: int) -> dict:
+    """How sure the target is of its own continuations, sequences `[N, P + T]` (prompt first):
+    mean top-1 probability, share of positions above 0.9, and mean entropy (nats). A drafter
+    can only agree with the target where the target's choice is predictable."""
+    if len(sequences) == 0:
+        return {"top1_prob": None, "top1_above_0_9": None, "entropy_nats": None, "rows": 0}
+    logits = model(input_ids=sequences).logits[:, prompt_len - 1 : -1].float()  # [N, T, V]
+    logp = torch.log_softmax(logits, -1)
+    top1 = logp.max(-1).values.exp()                                            # [N, T]
+    entropy = -(logp.exp() * logp).sum(-1)                                      # [N, T]
+    return {"top1_prob": top1.mean().item(), "top1_above_0_9": (top1 > 0.9).float().mean().item(),
+            "entropy_nats": entropy.mean().item(), "rows": len(sequences)}
 
 
 def main(argv=None):
