@@ -145,3 +145,19 @@ def test_target_eval_reports_perplexity_and_loop_share(tiny_target, tmp_path):
     assert 0 < report["own_greedy_top1_prob"] <= 1 and report["own_greedy_entropy_nats"] >= 0
     share = report["loop_share_128_greedy"]
     assert 0.0 <= share <= 1.0 and abs(share * 3 - round(share * 3)) < 1e-6
+
+
+def test_speculative_eval_reports_tau_without_looping_outputs(tiny_target, tiny_drafter):
+    target, _ = load_target(tiny_target)
+    drafter = load_drafter(tiny_drafter, target.config).bind(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = torch.randint(2, 512, (4, 10), generator=torch.Generator().manual_seed(1)).tolist()
+    outs, res = speculative_decode(target, drafter, prompts, 90, autocast=False)
+    from workers.training.target_eval import is_loop
+
+    loops = is_loop(torch.tensor(outs))
+    assert res.loop_share == loops.float().mean().item()
+    assert (res.tau_no_loop is None) == bool(loops.all())
+    if res.tau_no_loop is not None:
+        assert 1.0 <= res.tau_no_loop <= 9.0
+    _, short = speculative_decode(target, drafter, prompts, 20, autocast=False)
+    assert short.loop_share is None and short.tau_no_loop is None

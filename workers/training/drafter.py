@@ -255,7 +255,7 @@ def train(args) -> dict:
     drafter.save_pretrained(args.out)
     report = {"drafter": drafter.config.to_dict(), "args": {k: str(v) for k, v in vars(args).items() if k != "run"}}
     if args.eval_prompts:
-        from workers.training.spec_eval import evaluate_drafter
+        from workers.training.spec_eval import evaluate_drafter, format_result
 
         prompts = eval_prompts(args, tokenizer, torch.Generator().manual_seed(args.seed + 1))
         t0 = time.time()
@@ -266,8 +266,7 @@ def train(args) -> dict:
                                 "new_tokens": args.eval_tokens, "block_size": args.block_size,
                                 "dtype": "bf16-autocast" if autocast else "fp32", "seconds": round(time.time() - t0, 1)}
         for r in report["eval"]:
-            print(f"T={r['temperature']:g} s={r['steps']} {r['commit_order']:<13} {r['rule']:<9} tau={r['tau']:.3f} "
-                  f"accept={[round(a, 2) for a in r['accept_per_position']]}", flush=True)
+            print(format_result(r), flush=True)
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -3,7 +3,9 @@
 Each **pass** verifies one drafted block per row with one target forward and emits the accepted
 drafts plus one target token (the correction at the first rejection, or the bonus token when all
 K drafts are accepted), so **τ** = emitted tokens / passes. **Per-position acceptance** at block
-index j is the conditional rate: passes that accepted draft j / passes that reached it.
+index j is the conditional rate: passes that accepted draft j / passes that reached it. Outputs
+that collapse into a repetition loop are easy to draft, so τ is also reported over the outputs
+that do not loop (`tau_no_loop`, with `loop_share`; outputs of at least 80 tokens).
 
 Verification rules (all exact, so the output has the target's distribution):
 - temperature 0: greedy, accept while the draft equals the target's argmax.
@@ -23,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from workers.drafter import BlockDiffusionDrafter, context_features
+from workers.training.target_eval import LOOP_WINDOW, MAX_PERIOD, is_loop
 
 
 @dataclass
@@ -35,6 +38,8 @@ class SpecEvalResult:
     passes: int
     tokens: int
     accept_per_position: list[float]  # conditional acceptance at block index 1..K
+    loop_share: float | None = None   # share of outputs whose tail is a repetition loop (target_eval.is_loop)
+    tau_no_loop: float | None = None  # τ over the outputs that do not loop (None: all loop)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +78,8 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
     reach_count = torch.zeros(K, dtype=torch.long)
     passes = emitted = 0
     B = len(prompts)
+    row_passes = torch.zeros(B, dtype=torch.long)
+    row_emitted = torch.zeros(B, dtype=torch.long)
     outputs: list[list[int]] = [[] for _ in prompts]
     cache, cache_arg = DynamicCache(), _cache_arg(target)
 
@@ -133,6 +140,8 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
             acc_count += ((m[:, None] > idx) & counted).sum(0).cpu()
             passes += int(active.sum())
             emitted += int(((m + 1) * active).sum())
+            row_passes += active.long().cpu()
+            row_emitted += ((m + 1) * active).cpu()
             # the anchor and the accepted drafts become context; rejected drafts stay as holes
             new_valid = torch.arange(K + 1, device=device)[None] <= m[:, None]  # [B, K + 1]
             valid = torch.cat((valid, new_valid), 1)
@@ -145,9 +154,24 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
             start = start + m + 1
             anchor = out_tok
     rates = (acc_count.float() / reach_count.clamp(min=1).float()).tolist()
+    outputs = [o[:new_tokens] for o in outputs]
+    loop_share = tau_no_loop = None
+    if new_tokens >= LOOP_WINDOW + MAX_PERIOD:
+        loops = is_loop(torch.tensor(outputs))                          # [B]
+        loop_share = loops.float().mean().item()
+        if not loops.all():
+            tau_no_loop = row_emitted[~loops].sum().item() / max(1, row_passes[~loops].sum().item())
     result = SpecEvalResult(steps, float(temperature), "left-to-right" if left_to_right else "confidence", rule,
-                            emitted / max(1, passes), passes, emitted, [round(r, 4) for r in rates])
-    return [o[:new_tokens] for o in outputs], result
+                            emitted / max(1, passes), passes, emitted, [round(r, 4) for r in rates],
+                            loop_share, tau_no_loop)
+    return outputs, result
+
+
+def format_result(r: dict) -> str:
+    """One line per evaluated setting, as the training log prints it."""
+    no_loop = "" if r.get("tau_no_loop") is None else f" (no-loop {r['tau_no_loop']:.3f}, loops {r['loop_share']:.0%})"
+    return (f"T={r['temperature']:g} s={r['steps']} {r['commit_order']:<13} {r['rule']:<9} tau={r['tau']:.3f}{no_loop} "
+            f"accept={[round(a, 2) for a in r['accept_per_position']]}")
 
 
 def evaluate_drafter(target, drafter, prompts: list[list[int]], new_tokens: int, steps_list=(1, 2, 4),
@@ -202,8 +226,7 @@ def main(argv=None) -> int:
     results = evaluate_drafter(target, drafter, prompts, args.new_tokens, seed=args.seed, autocast=not args.fp32,
                                pad_id=tokenizer.pad_token_id or 0)
     for r in results:
-        print(f"T={r['temperature']:g} s={r['steps']} {r['commit_order']:<13} {r['rule']:<9} tau={r['tau']:.3f} "
-              f"accept={[round(a, 2) for a in r['accept_per_position']]}", flush=True)
+        print(format_result(r), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"eval": results, "eval_setup": {k: str(v) for k, v in vars(args).items()}}, indent=2) + "\n")
     return 0
