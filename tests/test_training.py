@@ -4,6 +4,7 @@ evaluation harness's exactness."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -161,3 +162,25 @@ def test_speculative_eval_reports_tau_without_looping_outputs(tiny_target, tiny_
         assert 1.0 <= res.tau_no_loop <= 9.0
     _, short = speculative_decode(target, drafter, prompts, 20, autocast=False)
     assert short.loop_share is None and short.tau_no_loop is None
+
+
+def test_repeated_ngrams_are_marked_whole():
+    from workers.training.unlikelihood import repeated_ngram_mask
+
+    row = torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 9, 9, 9, 9]])
+    assert repeated_ngram_mask(row).int().tolist() == [[0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1]]
+    assert not repeated_ngram_mask(torch.arange(30)[None]).any()
+
+
+def test_unlikelihood_fine_tuning_runs_and_writes_a_target(tiny_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from workers.training import unlikelihood
+
+    report = unlikelihood.main(["--target", str(tiny_target), "--out", str(tmp_path), "--updates", "4",
+                                "--ul-rows", "2", "--prompt-len", "8", "--new-tokens", "24", "--batch", "2",
+                                "--context", "32", "--max-files", "5", "--eval-prompts", "0", "--threads", "1"])
+    kinds = [next(k for k in e if k != "step") for e in report["log"]]
+    assert kinds == ["unlikelihood", "likelihood"] * 2
+    assert all(math.isfinite(e.get("unlikelihood", e.get("likelihood"))) for e in report["log"])
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
