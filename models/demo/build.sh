@@ -11,7 +11,9 @@ if [ "${RESUME:-0}" = "1" ]; then RESUME_FLAG="--resume"; fi
 
 # 1. The target: a 6-layer Llama (hidden 256, vocab 4096, context 512, tied embeddings) trained
 #    from scratch on the Python standard library's source (held-out split: workers/training/corpus.py).
-$PY -m workers.training.target --out models/demo/target --steps 1400 --batch 16 --hidden 256 --layers 6 --heads 4 --intermediate 768 --save-every 100 --seed 0 $RESUME_FLAG
+$PY -m workers.training.target --out models/demo/target --steps 2000 --batch 16 --hidden 256 --layers 6 --heads 4 --intermediate 768 --save-every 100 --seed 0 $RESUME_FLAG
+#    Its held-out perplexity and the share of greedy continuations that loop (target_eval.json).
+$PY -m workers.training.target_eval --target models/demo/target --out models/demo/target_eval.json
 
 # 2. Its block-diffusion drafter, trained on the target's own continuations of training-split
 #    prompts, then evaluated by exact speculative decoding on held-out prompts (drafter/eval.json).

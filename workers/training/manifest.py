@@ -65,6 +65,7 @@ def write_manifest(root: Path, build_script: Path) -> dict:
     commands = build_commands(build_script)
     target_metrics = json.loads((root / "target" / "train_metrics.json").read_text()) if (root / "target" / "train_metrics.json").exists() else {}
     drafter_eval = json.loads((root / "drafter" / "eval.json").read_text()) if (root / "drafter" / "eval.json").exists() else {}
+    target_eval = json.loads((root / "target_eval.json").read_text()) if (root / "target_eval.json").exists() else {}
     manifest = {
         "v": 1,
         "files": files,
@@ -76,6 +77,7 @@ def write_manifest(root: Path, build_script: Path) -> dict:
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                      "stdlib_corpus": f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"},
         "target_heldout": target_metrics.get("heldout", {}),
+        "target_eval": target_eval,
         "drafter_eval": drafter_eval.get("eval", []),
         "drafter_eval_setup": drafter_eval.get("eval_setup", {}),
     }
