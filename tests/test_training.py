@@ -184,3 +184,22 @@ def test_unlikelihood_fine_tuning_runs_and_writes_a_target(tiny_target, tmp_path
     assert kinds == ["unlikelihood", "likelihood"] * 2
     assert all(math.isfinite(e.get("unlikelihood", e.get("likelihood"))) for e in report["log"])
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
+
+
+def test_compiled_loss_terms_match_eager_with_gradients():
+    from workers.training.drafter import fused_loss_terms, loss_terms
+
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(2, 3, 4, 50, generator=g)
+    results = []
+    for fn in (loss_terms, fused_loss_terms):
+        logits = torch.randn(2, 3, 4, 50, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        ce, tv, labels = fn(logits, target_logits)
+        (ce.sum() + 0.5 * tv.sum()).backward()
+        results.append((ce, tv, labels, logits.grad))
+    (ce0, tv0, l0, g0), (ce1, tv1, l1, g1) = results
+    assert torch.equal(l0, l1) and torch.equal(l0, target_logits.argmax(-1))
+    torch.testing.assert_close(ce0, ce1)
+    torch.testing.assert_close(tv0, tv1)
+    torch.testing.assert_close(g0, g1)
+    assert (tv0 >= 0).all() and (tv0 <= 1).all()

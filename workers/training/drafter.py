@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from workers.drafter import context_features, init_drafter
 from workers.training.drafter_options import add_arguments
