@@ -1,5 +1,7 @@
 """`adapt serve` on its embedded defaults (own local Ray, in-process store in the controller) and
-`adapt policy push` through the controller actor, as subprocesses a user would run."""
+`adapt policy push` through the controller actor, as subprocesses a user would run. The server
+requires API keys (one from --api-key, one from ADAPT_API_KEY) and has a small request queue
+(--max-queue 2 beyond --max-batch 4), so a flood of clients meets 429s."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ openai = pytest.importorskip("openai")
 
 from tests.conftest import free_port  # noqa: E402
 
+CLI_KEY, ENV_KEY = "sk-cli-0c7d1e", "sk-env-5b2a90"
+AUTH = {"Authorization": f"Bearer {CLI_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -25,12 +30,12 @@ def server(tmp_path_factory):
     target, drafter = make_tiny_pair(tmp_path_factory.mktemp("cli-models"))
     port = free_port()
     log = tmp_path_factory.mktemp("cli-log") / "serve.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ADAPT_API_KEY": ENV_KEY}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "adapt.cli", "serve", "--target", str(target), "--drafter", str(drafter),
              "--port", str(port), "--num-workers", "1", "--max-batch", "4", "--max-len", "256",
-             "--threads-per-worker", "1", "--default-max-tokens", "8",
+             "--threads-per-worker", "1", "--default-max-tokens", "8", "--api-key", CLI_KEY, "--max-queue", "2",
              "--compile", "off"],  # compiled steps take minutes to warm up; tests/test_compiled.py covers them
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -47,7 +52,7 @@ def server(tmp_path_factory):
     else:
         proc.kill()
         raise AssertionError(f"adapt serve did not come up:\n{log.read_text()[-3000:]}")
-    yield url, log
+    yield url, log, proc
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=60)
@@ -57,9 +62,9 @@ def server(tmp_path_factory):
 
 
 def test_adapt_serve_prints_url_and_serves(server):
-    url, log = server
+    url, log, _ = server
     assert f"{url}/v1" in log.read_text()
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=CLI_KEY, max_retries=0, timeout=60)
     resp = client.completions.create(model="adapt-demo", prompt="def add(a, b):", temperature=0,
                                      extra_headers={"X-SLA-TPOT-Ms": "1000", "X-SLA-Quality": "tvd=0.05"})
     assert resp.usage.completion_tokens <= 8  # the --default-max-tokens
@@ -70,7 +75,7 @@ def test_adapt_serve_prints_url_and_serves(server):
 def test_policy_push_through_the_controller(server, tmp_path):
     from adapt import policy_file
 
-    url, _ = server
+    url, _, _ = server
     path = tmp_path / "policy.json"
     policy_file.save(policy_file.PolicyFile(), path)
     bad = tmp_path / "bad.json"
@@ -86,8 +91,74 @@ def test_policy_push_through_the_controller(server, tmp_path):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         body = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0},
-                          timeout=60).json()
+                          headers=AUTH, timeout=60).json()
         if body["adapt"]["policy_version"] == 1:
             break
         time.sleep(0.5)
     assert body["adapt"]["policy_version"] == 1
+
+
+def test_adapt_serve_requires_a_key_and_never_logs_it(server):
+    url, log, _ = server
+    body = {"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-cli-0c7d1f"}, timeout=60)
+    assert r.status_code == 401
+    for key in (CLI_KEY, ENV_KEY):  # --api-key and ADAPT_API_KEY
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # open
+    text = log.read_text()
+    assert "2 API key(s) required" in text and CLI_KEY not in text and ENV_KEY not in text
+
+
+def test_a_flood_on_ray_gets_429s_and_the_accepted_requests_complete(server):
+    """64 clients at once against 4 running + 2 queued: 429 with Retry-After, no 5xx, all
+    accepted requests finish; the process tree's memory is sampled throughout."""
+    import asyncio
+
+    import psutil
+
+    url, _, proc = server
+    tree = psutil.Process(proc.pid)
+
+    def rss() -> int:
+        total = 0
+        for p in [tree, *tree.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    rss0 = rss()
+    peak = [rss0]
+
+    async def one(client: httpx.AsyncClient, i: int):
+        await asyncio.sleep(0.002 * i)
+        t0 = time.perf_counter()
+        r = await client.post(url + "/v1/completions", headers=AUTH,
+                              json={"prompt": f"def flood_{i}(x):", "max_tokens": 8, "temperature": 0})
+        peak[0] = max(peak[0], rss())
+        return r, time.perf_counter() - t0
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(flood())
+    statuses = [r.status_code for r, _ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    accepted = sorted(dt for r, dt in results if r.status_code == 200)
+    rejected = [r for r, _ in results if r.status_code == 429]
+    assert rejected and len(accepted) >= 6
+    assert all(r.headers["retry-after"] == "1" for r in rejected)
+    assert all(r.json()["choices"][0]["finish_reason"] in ("length", "stop") for r, _ in results if r.status_code == 200)
+    p99 = accepted[min(len(accepted) - 1, int(0.99 * len(accepted)))]
+    print(f"\nflood on Ray: 64 requests, {len(rejected)} answered 429, {len(accepted)} accepted, p99 latency of "
+          f"accepted {p99 * 1e3:.0f} ms, process tree RSS {rss0 / 2**20:.0f} -> peak {peak[0] / 2**20:.0f} MiB")
+    health = httpx.get(url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["ingress"]["capacity"] == 6
+    assert httpx.post(url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, headers=AUTH,
+                      timeout=60).status_code == 200

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from workers.request import COMPILE_CHOICES
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -43,6 +44,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
     p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
     p.add_argument("--model-name", default="adapt-demo", help="the model id the API reports")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (repeatable; also "
+                        "ADAPT_API_KEY, comma-separated, which keeps keys out of the process list)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="generation requests allowed to wait beyond workers x max-batch running ones; "
+                        f"more are answered 429 with Retry-After (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; larger ones are answered 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.set_defaults(run=run)
 
 
@@ -73,6 +82,13 @@ def run(args) -> int:
             raise SystemExit(f"{what}: no such model directory: {path}")
     if args.num_workers < 1:
         raise SystemExit("--num-workers: must be >= 1")
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue: must be >= 0")
+    if args.max_body_bytes < 1:
+        raise SystemExit("--max-body-bytes: must be >= 1")
+    from adapt.serving.auth import ApiKeys
+
+    api_keys = ApiKeys.from_sources(args.api_key)
     defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
     policy, policy_file = default_policy(args.policy, args.policy_file, args.target)
     stack = start_stack(
@@ -81,12 +97,14 @@ def run(args) -> int:
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
                         "device": args.device, "compile": args.compile},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
     )
     url = f"http://{args.host}:{args.port}"
     store = args.redis_url or "in-process (controller actor)"
-    print(f"adapt serving {args.model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store})",
-          flush=True)
+    auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
+    print(f"adapt serving {args.model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
+          f"{auth}, queue limit {args.max_queue})", flush=True)
     try:
         uvicorn.run(stack.app, host=args.host, port=args.port, log_level="warning")
     finally:

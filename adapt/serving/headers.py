@@ -66,6 +66,8 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
     message = str(err.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
+    if err.get("type") == "extra_forbidden":
+        message = "unknown field"
     return ApiError(f"{param}: {message}" if param and not message.startswith(param) else message, param=param)
 
 

@@ -10,7 +10,9 @@ A *backend* turns one request into a stream of chunks from a decoder worker: the
 
 Every response carries the request's decoding stats and its SLA verdict in an ``adapt`` object
 (the last SSE chunk when streaming) and, for JSON responses, in ``X-Adapt-*`` / ``X-SLA-Met``
-headers. Errors follow OpenAI's shape and name the offending field in ``param``.
+headers. Errors follow OpenAI's shape and name the offending field in ``param``. API keys, the
+request queue limit (429) and the body size limit (413) are enforced in front of the routes by
+`adapt.serving.limits.Guard`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adapt.serving.auth import ApiKeys
 
 from adapt.serving.headers import ApiError, _field_path, parse_targets, validation_error
+from adapt.serving.limits import Admission, Guard, Limits
 from adapt.serving.metrics import CONTENT_TYPE, render_metrics
 from adapt.serving.schemas import ChatRequest, CompletionRequest
 from adapt.targets import ServerDefaults
@@ -68,11 +74,22 @@ def _verdict_headers(final: dict[str, Any]) -> dict[str, str]:
 
 
 def build_app(backend: Backend, model_name: str = "adapt-demo",
-              defaults: ServerDefaults | None = None, default_max_tokens: int = 64) -> FastAPI:
-    """The FastAPI app over `backend` (see the module docstring)."""
+              defaults: ServerDefaults | None = None, default_max_tokens: int = 64,
+              api_keys: ApiKeys | None = None, limits: Limits | None = None) -> FastAPI:
+    """The FastAPI app over `backend` (see the module docstring). api_keys: keys every ``/v1``
+    route requires (none: open); limits: queue and body limits (default: 1 MiB bodies, no queue
+    limit, since the running capacity is unknown here)."""
     defaults = defaults or ServerDefaults()
     app = FastAPI(title="adapt", description="OpenAI-compatible adaptive speculative decoding")
     app.state.backend = backend
+    admission = Admission(limits or Limits())
+    app.state.admission = admission
+    app.add_middleware(Guard, keys=api_keys or ApiKeys(), admission=admission)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):  # unknown route, wrong method
+        return _error_response(ApiError(str(exc.detail), status=exc.status_code,
+                                        code="not_found" if exc.status_code == 404 else None))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -128,6 +145,11 @@ def build_app(backend: Backend, model_name: str = "adapt-demo",
         chunks = backend.stream(req)
         try:
             first = await _next(chunks)  # errors before any output become a JSON error response
+        except ApiError as err:
+            await chunks.aclose()
+            if kind == "chat" and err.param == "prompt":  # the prompt built from the messages
+                err.param = "messages"
+            raise
         except BaseException:
             await chunks.aclose()
             raise
@@ -235,13 +257,14 @@ def build_app(backend: Backend, model_name: str = "adapt-demo",
         ok = len(loads) > 0
         return JSONResponse({"status": "ok" if ok else "no_workers", "workers": len(loads),
                              "waiting": sum(int(v.get("waiting", 0)) for v in loads.values()),
-                             "running": sum(int(v.get("running", 0)) for v in loads.values())},
+                             "running": sum(int(v.get("running", 0)) for v in loads.values()),
+                             "ingress": admission.snapshot()},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
         loads = await backend.loads()
-        text = render_metrics(loads, extra={"adapt_workers_live": len(loads)})
+        text = render_metrics(loads, extra={"adapt_workers_live": len(loads)}) + admission.prometheus()
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return app

@@ -60,15 +60,21 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
                 ray_address: str | None = None, num_cpus: int | None = None, worker_cpus: float = 1.0,
                 worker_resources: list[dict[str, float]] | None = None, num_threads: int | None = None,
                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, default_max_tokens: int = 64,
-                max_restarts: int = 0, name_prefix: str = "adapt-worker") -> Stack:
+                max_restarts: int = 0, name_prefix: str = "adapt-worker", api_keys: Any = None,
+                max_queue: int | None = None, max_body_bytes: int | None = None) -> Stack:
     """Start the controller and `num_workers` decoder workers; see the module docstring.
 
     worker_resources: per worker, custom Ray resources to pin it (e.g. ``{"node_b": 1}``).
+    api_keys: `adapt.serving.auth.ApiKeys` every ``/v1`` route requires (None: open).
+    max_queue: generation requests allowed to wait beyond what the workers run at once
+    (workers × max_batch) before the ingress answers 429 (None: no limit); max_body_bytes:
+    largest request body (413 above; None: `adapt.serving.limits.DEFAULT_MAX_BODY_BYTES`).
     """
     import ray
 
     from adapt.serving.controller_actor import CONTROLLER_NAME, NAMESPACE, ActorStoreClient, Controller
     from adapt.serving.http_app import build_app
+    from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
     from adapt.serving.router import ActorRouter
     from adapt.serving.store import open_store
     from adapt.serving.worker_plugin import ServingPlugin
@@ -106,11 +112,14 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
         if worker_resources and i < len(worker_resources):
             options["resources"] = worker_resources[i]
         handles[wid] = ray.remote(DecoderWorker).options(**options).remote(wid, engine_config, plugin, threads)
-    ray.get([h.info.remote() for h in handles.values()], timeout=600)  # engines loaded
+    infos = ray.get([h.info.remote() for h in handles.values()], timeout=600)  # engines loaded
 
     store = open_store(redis_url) if redis_url else ActorStoreClient(controller)
     router = ActorRouter(handles, store)
-    app = build_app(router, model_name=model_name, defaults=defaults, default_max_tokens=default_max_tokens)
+    limits = Limits(max_running=sum(int(i["max_batch"]) for i in infos), max_queue=max_queue,
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    app = build_app(router, model_name=model_name, defaults=defaults, default_max_tokens=default_max_tokens,
+                    api_keys=api_keys, limits=limits)
     app.state.controller = controller
     return Stack(controller=controller, workers=handles, router=router, app=app, store=store, owns_ray=owns_ray,
                  worker_ids=list(handles))

@@ -5,15 +5,48 @@ Supported: ``/v1/completions`` (``prompt`` as text or token ids) and ``/v1/chat/
 ``seed``, ``stop``, ``stream`` (+ ``stream_options.include_usage``), ``n = 1``. Extensions:
 ``sla`` (see `adapt.serving.headers`) and ``decode`` (the request's static knobs: ``steps``,
 ``draft_len``, ``commit_order``). Unknown fields are rejected with an error naming them.
+
+OpenAI fields this server does not implement (`UNSUPPORTED`: tools, logit_bias, best_of,
+response_format, ...) are accepted only at the value that changes nothing (``null``, ``{}``,
+``1``, ...); any other value is answered 400 naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "DecodeBody"]
+from adapt.serving.headers import ApiError
+
+__all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "DecodeBody", "UNSUPPORTED"]
+
+# OpenAI request fields that are not implemented -> the values that leave the output unchanged
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+}
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # type-exact: 1.0 or True must not pass for best_of = 1, nor 0 for False
+    return any(type(value) is type(a) and value == a for a in allowed)
 
 
 class DecodeBody(BaseModel):
@@ -50,6 +83,23 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported (must be 0).")
     sla: dict[str, Any] | None = Field(None, description="SLA targets (same as the X-SLA-* headers).")
     decode: DecodeBody | None = Field(None, description="Pinned static decode knobs.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data):
+        """Drop unimplemented OpenAI fields at their neutral value; reject any other value by name
+        (an `ApiError`, which pydantic lets through, so that ``param`` names the field)."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, allowed in UNSUPPORTED.items():
+            if name in out:
+                if not _neutral(out[name], allowed):
+                    shown = ", ".join("null" if a is None else repr(a) for a in allowed)
+                    raise ApiError(f"{name}: not supported by this server (allowed: {shown})", param=name,
+                                   code="unsupported_parameter")
+                del out[name]
+        return out
 
     @field_validator("stop")
     @classmethod
