@@ -219,3 +219,174 @@ def test_a_flood_gets_429_with_retry_after_and_every_accepted_request_completes(
     assert worker.load()["requests"] == 0
     r = httpx.post(url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, headers=AUTH)
     assert r.status_code == 200 and httpx.get(url + "/health").json()["ingress"]["in_flight"] == 0
+
+
+# -- fuzzing: generated bodies and headers, every answer 2xx or a 4xx JSON error -----------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(max_examples=500, deadline=None, database=None, derandomize=True, print_blob=True,
+                suppress_health_check=list(HealthCheck))
+SLA_NAMES = ["X-SLA-TPOT-Ms", "X-SLA-Tokens-Per-S", "X-SLA-TTFT-Ms", "X-SLA-Quality", "X-SLA-TVD-Budget",
+             "X-SLA-Priority"]
+
+def _weighted(*options):
+    """One of the strategies, picked with the given weights (``st.one_of`` merges duplicates)."""
+    table = [strategy for weight, strategy in options for _ in range(weight)]
+    return st.integers(0, len(table) - 1).flatmap(lambda i: table[i])
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                           max_size=4), max_leaves=8)
+_header_text = st.text(st.characters(min_codepoint=32, max_codepoint=255, blacklist_characters="\x7f"),
+                       max_size=16).map(str.strip)  # HTTP forbids surrounding whitespace in a value
+_fuzzed_headers = st.fixed_dictionaries(
+    {"Authorization": _weighted((9, st.just(AUTH["Authorization"])),
+                                (1, _header_text.map(lambda t: f"Bearer {t}".strip())))},
+    optional={
+        **{name: _weighted((1, _header_text), (3, st.sampled_from(["lossless", "tvd=0.05", "tvd=2", "high", "40", "-1",
+                                                                   "nan", "1e309", "0", "25", "500"])))
+           for name in SLA_NAMES},
+        "Content-Type": st.one_of(st.just("text/plain"), _header_text),
+        "X-Request-Id": _header_text,
+    })
+_valid_headers = st.fixed_dictionaries({"Authorization": st.just(AUTH["Authorization"])}, optional={
+    "X-SLA-TPOT-Ms": st.sampled_from(["40", "500", "1000.5"]), "X-SLA-TTFT-Ms": st.sampled_from(["100", "5000"]),
+    "X-SLA-Quality": st.sampled_from(["lossless", "tvd=0.05"]), "X-SLA-Priority": st.sampled_from(["high", "-3"])})
+_headers = _weighted((2, _valid_headers), (1, _fuzzed_headers)).map(
+    lambda h: {k: v.encode("latin-1") for k, v in h.items()})  # bytes: non-ASCII values go out as sent
+# Valid bodies first (so that decoding is reached), then 0-2 mutations: a field set to an edge or
+# random JSON value, or removed; plus top-level JSON that is not an object, and raw bytes.
+_edge = st.one_of(st.sampled_from([-1, 0, 1, 2**63, 2**64, 1e309, -1e309, 0.5, "", "x", [], {}, None, True, False,
+                                   [1, 2], {"a": 1}]), _json)
+_valid_common = {
+    "model": st.just("adapt-demo"),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(0, 50),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "n": st.just(1),
+    "user": st.text(max_size=8),
+    "sla": st.fixed_dictionaries({}, optional={
+        "tpot_ms": st.floats(1, 1000), "ttft_ms": st.floats(1, 10000), "priority": st.integers(-100, 100),
+        "quality": st.sampled_from(["lossless", "tvd=0.05", "tvd=0.5"])}),
+    "decode": st.fixed_dictionaries({}, optional={
+        "steps": st.integers(0, 64), "draft_len": st.integers(0, 16),
+        "commit_order": st.sampled_from(["confidence", "left-to-right"])}),
+    "logit_bias": st.just({}),
+    "response_format": st.just({"type": "text"}),
+}
+_valid_prompt = st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 511), min_size=1, max_size=40))
+_valid_completion = st.fixed_dictionaries({"prompt": _valid_prompt}, optional={
+    **_valid_common, "echo": st.just(False), "logprobs": st.sampled_from([None, 0])})
+_valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+                                        "content": st.text(max_size=30)})
+_valid_chat = st.fixed_dictionaries({"messages": st.lists(_valid_message, min_size=1, max_size=3)}, optional={
+    **_valid_common, "max_completion_tokens": st.integers(1, 8), "logprobs": st.just(False)})
+_FIELDS = sorted({*_valid_common, "prompt", "messages", "echo", "logprobs", "max_completion_tokens", "best_of",
+                  "tools", "tool_choice", "presence_penalty", "frequency_penalty", "suffix", "top_logprobs",
+                  "unknown_field"})
+
+
+def _mutated(valid):
+    mutation = st.tuples(st.sampled_from(_FIELDS), st.one_of(_edge, st.just("<delete>")))
+
+    def apply(body, mutations):
+        out = dict(body)
+        for name, value in mutations:
+            if value == "<delete>":
+                out.pop(name, None)
+            else:
+                out[name] = value
+        return out
+
+    return st.builds(apply, valid, st.lists(mutation, max_size=2))
+
+
+_completion = _mutated(_valid_completion)
+_chat = _mutated(_valid_chat)
+
+
+def _body_bytes(body) -> st.SearchStrategy[bytes]:
+    return _weighted((8, body.map(lambda b: json.dumps(b).encode())),  # NaN/Infinity included, as Python writes them
+                     (1, _json.map(lambda b: json.dumps(b).encode())), (1, st.binary(max_size=64)))
+
+
+def _check_answer(r: httpx.Response, stream_ok: bool = True) -> None:
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]  # a JSON error in OpenAI's shape
+        assert isinstance(err["message"], str) and err["message"] and err["type"]
+        if r.status_code == 400:
+            assert err["param"] is None or err["param"] in err["message"] or err["param"] == "messages", err
+        return
+    assert r.status_code == 200
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert stream_ok
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for e in events[:-1]:
+            assert "error" not in json.loads(e), e
+    elif stream_ok:
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        assert r.json()["data"][0]["id"] == "adapt-demo"
+
+
+import json  # noqa: E402
+from collections import Counter  # noqa: E402
+
+FUZZ_COUNTS: Counter = Counter()
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(guarded):
+    with httpx.Client(base_url=guarded[0], timeout=60) as client:
+        yield client
+
+
+@FUZZ
+@given(body=_body_bytes(_completion), headers=_headers)
+def test_fuzz_completions(fuzz_client, body, headers):
+    r = fuzz_client.post("/v1/completions", content=body, headers={"Content-Type": b"application/json", **headers})
+    FUZZ_COUNTS["/v1/completions", r.status_code // 100] += 1
+    _check_answer(r)
+
+
+@FUZZ
+@given(body=_body_bytes(_chat), headers=_headers)
+def test_fuzz_chat_completions(fuzz_client, body, headers):
+    r = fuzz_client.post("/v1/chat/completions", content=body,
+                         headers={"Content-Type": b"application/json", **headers})
+    FUZZ_COUNTS["/v1/chat/completions", r.status_code // 100] += 1
+    _check_answer(r)
+
+
+@FUZZ
+@given(headers=_headers, method=st.sampled_from(["GET", "GET", "POST", "DELETE"]), query=st.text(max_size=10))
+def test_fuzz_models(fuzz_client, headers, method, query):
+    r = fuzz_client.request(method, "/v1/models", params={"q": query} if query else None, headers=headers)
+    FUZZ_COUNTS["/v1/models", r.status_code // 100] += 1
+    _check_answer(r, stream_ok=False)
+
+
+def test_fuzzed_server_stays_healthy(guarded):
+    url, worker, app = guarded
+    print("\nfuzz answers by route and status class:", dict(sorted(FUZZ_COUNTS.items())))
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
+        assert sum(n for (r, _), n in FUZZ_COUNTS.items() if r == route) >= 500, FUZZ_COUNTS
+        assert FUZZ_COUNTS[route, 2] > 0 and FUZZ_COUNTS[route, 4] > 0  # both kinds were reached
+    assert not any(cls == 5 for _, cls in FUZZ_COUNTS)
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "still here", "max_tokens": 4}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    deadline = time.monotonic() + 10
+    while (worker.load()["requests"] or app.state.admission.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.load()["requests"] == 0 and app.state.admission.in_flight == 0
