@@ -14,6 +14,7 @@ COMMANDS = {
     "serve": "serve",
     "policy": "policy",
     "bench": "bench",
+    "convert-drafter": "convert_drafter",
 }
 
 

@@ -439,10 +439,16 @@ def load_drafter(path: str | Path, target_config, device: str | torch.device = "
 
     Raises `DrafterPairingError` naming the field that differs (hidden size, vocab size,
     layer ids, fingerprint); `FileNotFoundError` / `ValueError` for a broken directory.
+    A published DFlash checkpoint (`"architectures": ["DFlashDraftModel"]`) loads through
+    `workers.dflash_format.load_dflash`.
     """
     from safetensors.torch import load_file
 
+    from workers.dflash_format import is_dflash_dir, load_dflash
+
     path = Path(path)
+    if is_dflash_dir(path):  # a published DFlash checkpoint (workers/dflash_format.py)
+        return load_dflash(path, target_config, device, dtype)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     for f in (cfg_file, weights):
         if not f.exists():
