@@ -8,8 +8,9 @@ steps, so running requests carry on under the new policy without being dropped.
 
 `DecoderWorker` is the Ray actor around it (``ray.remote(DecoderWorker)``, or the Serve
 deployment in `adapt.serving.deployment`): it tokenizes, streams chunks to the router and
-detokenizes incrementally. What serving adds (shared state, policies, SLA verdicts) arrives as a
-*plugin* built by a factory the caller passes in, so this module imports nothing of `adapt`.
+detokenizes incrementally (`workers.detokenize`: each chunk decodes only its new tokens). What
+serving adds (shared state, policies, SLA verdicts) arrives as a *plugin* built by a factory the
+caller passes in, so this module imports nothing of `adapt`.
 
 Plugin protocol (see `adapt.serving.worker_plugin.ServingPlugin`)::
 
@@ -32,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
+
+from workers.detokenize import StreamDetokenizer, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -172,27 +175,6 @@ def _field_of(exc: Exception) -> str | None:
     return head if head.replace("_", "").isalnum() else None
 
 
-class _Detokenizer:
-    """Incremental detokenization: decode the whole output, emit what is new and complete."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def add(self, ids: list[int], final: bool) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):  # a multi-byte character still incomplete
-            text = text[:-1]
-        if not text.startswith(self.text):  # decoding changed earlier text (rare): emit the tail only
-            delta = text[len(self.text):] if len(text) > len(self.text) else ""
-        else:
-            delta = text[len(self.text):]
-        self.text = text if len(text) >= len(self.text) else self.text
-        return delta
-
-
 class DecoderWorker:
     """A decoder worker (use as a Ray actor): owns an engine loop; see the module docstring.
 
@@ -263,7 +245,7 @@ class DecoderWorker:
             return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), arrival)
         self.loop.add(rid, args, stream)
-        detok = _Detokenizer(self.tokenizer)
+        detok = StreamDetokenizer(self.tokenizer)
         stops = list(request.get("stop") or [])
         first_time, n_tokens, finished, held = None, 0, False, None
         try:
@@ -291,7 +273,7 @@ class DecoderWorker:
                 reason = item.get("finish_reason")
                 delta = detok.add(ids, finished)
                 if stops:
-                    cut = _find_stop(detok.text, stops)
+                    cut = find_stop(detok.text, stops, start=len(detok.text) - len(delta))
                     if cut is not None:
                         delta = delta[: max(0, len(delta) - (len(detok.text) - cut))]
                         if not finished:
@@ -312,11 +294,6 @@ class DecoderWorker:
                 self.loop.abort(rid)
                 if self.plugin is not None and hasattr(self.plugin, "aborted"):
                     self.plugin.aborted(request)
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
