@@ -213,6 +213,15 @@ def test_convert_drafter_keeps_tau(dirs, capsys):
     conv, _ = _decode(out)
     orig, _ = _decode(dirs["dflash_row"])
     assert _summary(conv) == _summary(orig)
+    # the row mask is not what the demo drafter was trained with (tau ~1.05); with its learned mask
+    # shipped as mask_embedding.pt the converted drafter keeps the demo drafter's tau (~1.9, 1.7)
+    out_pt = dirs["tmp"] / "converted_pt"
+    assert cli_main(["convert-drafter", "--from", "dflash", str(dirs["dflash_pt"]), "--target", str(DEMO_TARGET),
+                     "--out", str(out_pt)]) == 0
+    assert json.loads(capsys.readouterr().out)["mask"] == "mask_embedding.pt"
+    conv_pt, _ = _decode(out_pt)
+    base, _ = _decode(dirs["ours"])
+    assert _summary(conv_pt) == _summary(base)
 
 
 def _tiny_checkpoint(tmp_path, **edits):
