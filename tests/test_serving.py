@@ -46,7 +46,7 @@ def stack(cluster, redis_server, tiny_pair):
     target, drafter = tiny_pair
     s = start_stack(str(target), str(drafter), num_workers=2, redis_url=redis_server.url,
                     engine_options={"max_batch": 8, "max_len": 512}, worker_resources=[{"node_a": 1}, {"node_b": 1}],
-                    num_threads=1, heartbeat_s=0.2, ttl_s=1.5, default_max_tokens=16)
+                    num_threads=1, heartbeat_s=0.2, ttl_s=1.5, default_max_tokens=16, max_restarts=1)
     server = HttpServer(s.app).start()
     _wait(lambda: len(s.store.loads()) == 2, 30, "both workers heartbeating")
     yield s, server
@@ -227,7 +227,7 @@ def _stream_request(url: str, max_tokens: int, out: dict, key: str, started: thr
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                rec["error"] = event["error"]
+                rec["error"], rec["error_at"] = event["error"], time.monotonic()
                 continue
             rec["chunks"] += 1
             if started is not None and rec["chunks"] >= 2:
@@ -362,6 +362,50 @@ def test_client_disconnect_aborts_the_request(stack, redis_server):
                 break  # leave mid-stream
     _wait(lambda: aborts().get(wid, 0) == before.get(wid, 0) + 1, 20, "the worker to abort the request")
     _wait(lambda: ray.get(s.workers[wid].load.remote())["requests"] == 0, 10, "the engine slot to be freed")
+
+
+def test_sigkilled_worker_mid_stream_is_replaced(stack):
+    """SIGKILL a worker's process mid-stream: its streams end with an error event within seconds,
+    the other worker's streams complete, Ray replaces the worker and the router takes it back."""
+    import os
+    import signal
+
+    s, server = stack
+    out: dict = {}
+    started = {f"s{i}": threading.Event() for i in range(4)}
+    threads = [threading.Thread(target=_stream_request, args=(server.url, 300, out, k, started[k])) for k in started]
+    for t in threads:
+        t.start()
+    for ev in started.values():
+        assert ev.wait(60)
+    victim = sorted({rec["worker"] for rec in out.values()})[0]
+    assert {rec["worker"] for rec in out.values()} == set(s.workers), out
+    old_pid = ray.get(s.workers[victim].info.remote())["pid"]
+    killed = time.monotonic()
+    os.kill(old_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    for key, rec in out.items():
+        if rec["worker"] == victim:
+            assert rec["error"] is not None and rec["error"]["code"] == "worker_died" and rec["finish"] is None, rec
+            assert rec["error_at"] - killed < 10, rec
+        else:
+            assert rec["error"] is None and rec["finish"] in ("length", "stop"), (key, rec)
+    _wait(lambda: ray.get(s.workers[victim].info.remote(), timeout=5)["pid"] != old_pid, 90, "the replacement")
+    replaced = time.monotonic() - killed
+    served = set()
+    deadline = time.monotonic() + 30
+    while victim not in served and time.monotonic() < deadline:  # the router pings it back in
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "again", "max_tokens": 4, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        served.add(r.json()["adapt"]["worker"])
+        time.sleep(0.2)
+    assert victim in served
+    errors = [rec["error_at"] - killed for rec in out.values() if rec["worker"] == victim]
+    print(f"\nSIGKILL mid-stream: {len(errors)} stream(s) ended with an error event after {max(errors):.2f} s, "
+          f"{len(out) - len(errors)} completed; replacement answering after {replaced:.1f} s, serving again after "
+          f"{time.monotonic() - killed:.1f} s")
 
 
 def test_killing_a_worker_mid_stream_fails_only_its_streams(stack):

@@ -60,11 +60,13 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
                 ray_address: str | None = None, num_cpus: int | None = None, worker_cpus: float = 1.0,
                 worker_resources: list[dict[str, float]] | None = None, num_threads: int | None = None,
                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, default_max_tokens: int = 64,
-                max_restarts: int = 0, name_prefix: str = "adapt-worker", api_keys: Any = None,
+                max_restarts: int = 3, name_prefix: str = "adapt-worker", api_keys: Any = None,
                 max_queue: int | None = None, max_body_bytes: int | None = None) -> Stack:
     """Start the controller and `num_workers` decoder workers; see the module docstring.
 
     worker_resources: per worker, custom Ray resources to pin it (e.g. ``{"node_b": 1}``).
+    max_restarts: how often Ray replaces a worker whose process died (it reloads the models under
+    the same name; the router takes it back once it answers); -1 = always.
     api_keys: `adapt.serving.auth.ApiKeys` every ``/v1`` route requires (None: open).
     max_queue: generation requests allowed to wait beyond what the workers run at once
     (workers × max_batch) before the ingress answers 429 (None: no limit); max_body_bytes:
