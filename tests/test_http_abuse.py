@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
+from collections import Counter
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 
@@ -223,9 +227,6 @@ def test_a_flood_gets_429_with_retry_after_and_every_accepted_request_completes(
 
 # -- fuzzing: generated bodies and headers, every answer 2xx or a 4xx JSON error -----------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
 FUZZ = settings(max_examples=500, deadline=None, database=None, derandomize=True, print_blob=True,
                 suppress_health_check=list(HealthCheck))
 SLA_NAMES = ["X-SLA-TPOT-Ms", "X-SLA-Tokens-Per-S", "X-SLA-TTFT-Ms", "X-SLA-Quality", "X-SLA-TVD-Budget",
@@ -338,9 +339,6 @@ def _check_answer(r: httpx.Response, stream_ok: bool = True) -> None:
     else:
         assert r.json()["data"][0]["id"] == "adapt-demo"
 
-
-import json  # noqa: E402
-from collections import Counter  # noqa: E402
 
 FUZZ_COUNTS: Counter = Counter()
 
