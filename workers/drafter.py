@@ -88,6 +88,7 @@ class DrafterConfig:
     block_size: int = MAX_BLOCK_SIZE      # K, drafted tokens per block (≤ 16)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    draft_vocab_size: int = 0             # 0 = the whole target vocabulary; else the `draft_ids` subset
     target_fingerprint: str = ""          # see `target_fingerprint`
     embed_signature: list[float] = field(default_factory=list)  # norms of embedding rows 0..7
     model_type: str = MODEL_TYPE
@@ -99,6 +100,8 @@ class DrafterConfig:
             raise ValueError("target_layer_ids must name at least one target layer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 0..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}")
         if self.model_type != MODEL_TYPE:
             raise ValueError(f"model_type must be {MODEL_TYPE!r}, got {self.model_type!r}")
 
@@ -223,8 +226,12 @@ class BlockDiffusionDrafter(Fusable):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        # reduced draft vocabulary: the target ids the drafter may propose, [draft_vocab_size] int64
+        self.register_buffer("draft_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long)
+                             if config.draft_vocab_size else None)
         self.__dict__["embed_tokens"] = None  # borrowed from the target, not parameters
         self.__dict__["lm_head"] = None
+        self.__dict__["draft_head"] = None    # the LM-head rows of `draft_ids`, made by `bind`
 
     # -- the target's parts -------------------------------------------------------------
     def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "BlockDiffusionDrafter":
@@ -243,7 +250,19 @@ class BlockDiffusionDrafter(Fusable):
                     f"{[round(x, 4) for x in got]} != {[round(x, 4) for x in expected]}): wrong target weights?")
         self.__dict__["embed_tokens"] = embed_tokens
         self.__dict__["lm_head"] = lm_head
+        self.__dict__["draft_head"] = None if self.draft_ids is None else _rows_of(lm_head, self.draft_ids)
         return self
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Restrict proposals to the target ids `ids` [draft_vocab_size] (sorted, distinct); rebinds."""
+        ids = ids.to(torch.long).flatten()
+        if len(ids) != self.config.draft_vocab_size or len(ids.unique()) != len(ids):
+            raise ValueError(f"draft ids must be {self.config.draft_vocab_size} distinct target ids, got {len(ids)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft ids must lie in 0..{self.config.vocab_size - 1}")
+        self.draft_ids.copy_(ids.to(self.draft_ids.device))
+        if self.lm_head is not None:
+            self.__dict__["draft_head"] = _rows_of(self.lm_head, self.draft_ids)
 
     def _require_bound(self):
         if self.embed_tokens is None or self.lm_head is None:
@@ -255,11 +274,23 @@ class BlockDiffusionDrafter(Fusable):
         emb = self.embed_tokens(tokens.clamp(min=0)).to(self.mask_embedding.dtype)  # [B, Q, H]
         return torch.where(masked[..., None], self.mask_embedding, emb)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, Q, H] -> [B, Q, V] through the final norm and the target's LM head."""
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, Q, H] -> logits over the draft vocabulary, [B, Q, V_draft] (V_draft = V
+        without a reduced vocabulary): the final norm, then the target's LM head (its `draft_ids` rows)."""
         self._require_bound()
         h = self.norm(hidden)
-        return self.lm_head(h.to(self.lm_head.weight.dtype))
+        head = self.lm_head if self.draft_head is None else self.draft_head
+        return head(h.to(head.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, Q, H] -> [B, Q, V] over the whole target vocabulary. With a reduced draft
+        vocabulary the ids outside it get −inf, so q is exactly zero there: verification against
+        the target's full distribution stays exact (q is the distribution actually drafted from)."""
+        small = self.draft_logits(hidden)
+        if self.draft_ids is None:
+            return small
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_ids, small)
 
     # -- the network ------------------------------------------------------------------
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
@@ -406,19 +437,35 @@ class BlockDiffusionDrafter(Fusable):
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
 
+def _rows_of(lm_head: nn.Module, ids: torch.Tensor) -> nn.Linear:
+    """A frozen linear made of the LM head's rows `ids` (derived, never saved); shape-aware on CPU
+    when the head is (workers/linear.py)."""
+    from workers.linear import ShapeAwareLinear
+
+    weight = lm_head.weight.detach()[ids.to(lm_head.weight.device)]  # [V_draft, H]
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return ShapeAwareLinear.from_linear(head) if isinstance(lm_head, ShapeAwareLinear) else head
+
+
 def embedding_signature(weight: torch.Tensor) -> list[float]:
     """Norms of embedding rows 0..7: a cheap check that the bound embedding is the trained-with one."""
     return [float(x) for x in weight[:8].detach().float().norm(dim=-1).cpu()]
 
 
 def init_drafter(target_config, embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
-                 seed: int = 0, **config_kwargs) -> BlockDiffusionDrafter:
-    """A randomly initialised drafter sized for `target_config`; bound if embed/lm_head given."""
+                 seed: int = 0, draft_ids: torch.Tensor | None = None, **config_kwargs) -> BlockDiffusionDrafter:
+    """A randomly initialised drafter sized for `target_config`; bound if embed/lm_head given.
+    `draft_ids` [V_draft]: a reduced draft vocabulary (target ids the drafter may propose)."""
     cfg = DrafterConfig.for_target(target_config, **config_kwargs)
     if embed_tokens is not None:
         cfg.embed_signature = embedding_signature(embed_tokens.weight)
+    if draft_ids is not None:
+        cfg.draft_vocab_size = len(draft_ids)
     gen = torch.Generator().manual_seed(seed)
     drafter = BlockDiffusionDrafter(cfg)
+    if draft_ids is not None:
+        drafter.set_draft_vocab(draft_ids)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() == 2:

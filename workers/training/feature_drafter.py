@@ -1,0 +1,210 @@
+"""Train a block-diffusion drafter from harvested features (no target forward while training).
+
+    python -m workers.training.feature_drafter --target DIR --data runs/harvest --out DIR --steps 1200
+
+The data are the target's own chat answers with the hidden states of the drafter's context layers
+at every position (`workers.training.harvest`). One step:
+1. `batch` rows; `anchors` anchor positions per row inside the answer (before its end-of-turn).
+2. The drafter's context K/V come from the stored features (`context_kv`); every block
+   `[anchor, MASK × K]` attends to the context before its anchor and non-causally to itself.
+3. Some blocks reveal a random prefix or subset of their tokens (as later denoising steps see
+   them, `workers.training.drafter.sample_known`); the loss is on masked positions only.
+4. Loss = Σ_k w_k · CE(drafter, the target's token at that position), over the reduced **draft
+   vocabulary** (FR-Spec / EAGLE-3 style: the `draft_vocab` most frequent answer tokens; labels
+   outside it are skipped, since the drafter can never propose them), w_k = exp(−(k − 1)/γ).
+
+The target's embedding and LM-head rows are shared, never trained or saved. Checkpoints every
+`--save-every` steps (OUT/checkpoint/state.pt), `--resume` continues, tqdm progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.drafter import init_drafter
+from workers.training.drafter import position_weights, sample_known
+from workers.training.harvest import load_shards
+
+
+def draft_vocabulary(tokens: torch.Tensor, answer: torch.Tensor, end: torch.Tensor, size: int,
+                     always: tuple[int, ...] = ()) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (plus `always`), sorted: [size] int64, and the share
+    of answer tokens they cover."""
+    cols = torch.arange(tokens.shape[1])
+    inside = (cols >= answer[:, None]) & (cols < end[:, None])          # [N, T]
+    counts = torch.bincount(tokens[inside].long(), minlength=int(tokens.max()) + 1).float()
+    for t in always:
+        counts[t] = counts.max() + 1
+    ids = counts.topk(min(size, len(counts))).indices.sort().values
+    return ids, float(counts[ids].sum() / inside.sum()) if not always else float(
+        torch.isin(tokens[inside].long(), ids).float().mean())
+
+
+def target_parts(target_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[object, nn.Embedding, nn.Linear]:
+    """The target's config, input embedding and (tied or own) LM head, frozen; nothing else loaded."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(target_dir))
+    with safe_open(str(Path(target_dir) / "model.safetensors"), "pt") as f:
+        emb = f.get_tensor("model.embed_tokens.weight").to(dtype)
+        head = emb if getattr(hf, "tie_word_embeddings", False) or "lm_head.weight" not in f.keys() \
+            else f.get_tensor("lm_head.weight").to(dtype)
+    embed = nn.Embedding.from_pretrained(emb, freeze=True)
+    lm_head = nn.Linear(emb.shape[1], head.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(head, requires_grad=False)
+    return hf, embed, lm_head
+
+
+def sample_batch(data: dict, rows: torch.Tensor, n: int, K: int, gen: torch.Generator):
+    """Anchors [B, n] (sorted, inside each row's answer) for `rows` [B]."""
+    lo = data["answer"][rows]                                           # first answer column
+    hi = torch.minimum(data["end"][rows] - 2, torch.full_like(lo, data["tokens"].shape[1] - 1 - K))
+    span = (hi - lo + 1).clamp(min=1)
+    offs = (torch.rand(len(rows), n, generator=gen) * span[:, None]).long()
+    return (lo[:, None] + offs).sort(-1).values
+
+
+def feature_loss(drafter, data: dict, rows: torch.Tensor, anchors: torch.Tensor, known: torch.Tensor,
+                 weights: torch.Tensor, t2d: torch.Tensor, autocast: bool) -> tuple[torch.Tensor, dict]:
+    """One packed drafter forward: rows [B], anchors [B, n], known [B, n, K]."""
+    tokens = data["tokens"][rows].long()                                # [B, T]
+    feats = data["features"][rows]                                      # [B, T, W] bf16
+    B, T = tokens.shape
+    n, K = anchors.shape[1], known.shape[2]
+    pad, end = data["pad"][rows], data["end"][rows]
+    offs = torch.arange(K + 1)
+    pos_blk = anchors[..., None] + offs                                 # [B, n, K + 1]
+    blk_tokens = tokens.gather(1, pos_blk.view(B, -1)).view(B, n, K + 1)
+    labels = t2d[blk_tokens[..., 1:]]                                   # [B, n, K] draft ids (-1 = outside)
+    valid = (labels >= 0) & (pos_blk[..., 1:] < end[:, None, None]) & ~known
+    masked = torch.cat((torch.zeros(B, n, 1, dtype=torch.bool), ~known), -1)
+    Q = n * (K + 1)
+    cols = torch.arange(T)
+    anchor_q = anchors.repeat_interleave(K + 1, 1)                      # [B, Q]
+    ctx_mask = (cols[None, None] < anchor_q[..., None]) & (cols[None, None] >= pad[:, None, None])  # [B, Q, T]
+    block_id = torch.arange(n).repeat_interleave(K + 1)
+    block_mask = (block_id[:, None] == block_id[None]).expand(B, Q, Q)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ctx_kv = drafter.context_kv(feats, cols.expand(B, T))
+        embeds = drafter.embed_block(blk_tokens.view(B, Q), masked.view(B, Q))
+        hidden = drafter.forward_block(embeds, pos_blk.view(B, Q), ctx_kv, ctx_mask, block_mask)
+        logits = drafter.draft_logits(hidden.view(B, n, K + 1, -1)[:, :, 1:])  # [B, n, K, Vd]
+    logq = torch.log_softmax(logits.float(), -1)
+    ce = -logq.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)   # [B, n, K]
+    w = weights * valid.float()
+    loss = (ce * w).sum() / w.sum().clamp(min=1)
+    with torch.no_grad():
+        full = ~known.any(-1)                                           # fully masked blocks (s = 1)
+        in_range = pos_blk[..., 1:] < end[:, None, None]
+        hit = ((logits.argmax(-1) == labels) | ~in_range) & full[..., None]
+        lead = hit.long().cumprod(-1).sum(-1).float()
+        stats = {"ce": float((ce * w).sum() / w.sum().clamp(min=1)),
+                 "top1_pos1": float(hit[..., 0].sum() / full.sum().clamp(min=1)),
+                 "lead_s1": float(lead.sum() / full.sum().clamp(min=1))}
+    return loss, stats
+
+
+def train(args) -> dict:
+    from tqdm import tqdm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    data = load_shards(args.data)
+    meta = data.pop("meta")
+    hf, embed, lm_head = target_parts(args.target)
+    stop_ids = tuple(meta.get("stop_ids", []))
+    ids, coverage = draft_vocabulary(data["tokens"], data["answer"], data["end"], args.draft_vocab, stop_ids)
+    t2d = torch.full((hf.vocab_size,), -1, dtype=torch.long)
+    t2d[ids] = torch.arange(len(ids))
+    print(f"data: {len(data['tokens'])} rows, draft vocabulary {len(ids)} covers {coverage:.1%} of answer tokens",
+          flush=True)
+    drafter = init_drafter(hf, embed, lm_head, seed=args.seed, draft_ids=ids, num_layers=args.layers,
+                           block_size=args.block_size, target_layer_ids=meta["layers"],
+                           intermediate_size=args.intermediate)
+    print(f"drafter: {sum(p.numel() for p in drafter.parameters()):,} parameters, layers {args.layers}, "
+          f"target layers {meta['layers']}", flush=True)
+    out = Path(args.out)
+    ckpt = out / "checkpoint" / "state.pt"
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    start = 0
+    if args.resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        start = state["step"]
+        print(f"resumed at step {start}", flush=True)
+    weights = position_weights(args.block_size, args.gamma)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "train_log.jsonl").open("a")
+    drafter.train()
+    t0 = time.time()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train-drafter")
+    for step in bar:
+        rows = torch.randint(0, len(data["tokens"]), (args.batch,), generator=gen)
+        anchors = sample_batch(data, rows, args.anchors, args.block_size, gen)
+        known = sample_known(args.batch, args.anchors, args.block_size, gen)
+        loss, stats = feature_loss(drafter, data, rows, anchors, known, weights, t2d, not args.fp32)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        stats = {"step": step + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()}}
+        bar.set_postfix(loss=stats["loss"], lead=stats["lead_s1"])
+        if step % 10 == 0 or step + 1 == args.steps:
+            log.write(json.dumps(stats) + "\n")
+            log.flush()
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "gen": gen.get_state(), "step": step + 1}, ckpt)
+            drafter.eval()
+            drafter.save_pretrained(out, dtype=torch.bfloat16)  # usable while training goes on
+            drafter.train()
+    report = {"drafter": drafter.config.to_dict(), "draft_vocab_coverage": round(coverage, 4),
+              "train_seconds": round(time.time() - t0, 1), "data": meta,
+              "args": {k: str(v) for k, v in vars(args).items()}}
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, required=True, help="the target's HF directory (embedding, LM head, config)")
+    p.add_argument("--data", type=Path, required=True, help="a harvest directory (workers.training.harvest)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--anchors", type=int, default=8, help="blocks per row per step")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    train(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

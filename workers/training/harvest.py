@@ -1,0 +1,177 @@
+"""Harvest drafter training data: the target's own answers *and* its hidden states, in one pass.
+
+A drafter reads the hidden states of a few target layers (its **context features**) and learns to
+predict the target's next tokens. For a large target, recomputing those features at every training
+step costs more than the drafter itself, so this module runs the target once, as the engine does
+(`workers.target_model.TargetModel`, bf16 by default, a KV cache, per-row positions), and keeps
+what the drafter needs: the tokens of prompt + answer and the captured layers' outputs at every
+position. Training (`workers.training.feature_drafter`) then never runs the target.
+
+Answers are greedy for most rows and sampled at temperature 1 for a `sample_frac` share (the
+exponential race, one generator per run). Generation does not stop at end-of-turn (rows are
+batched); the position after the first end-of-turn token is recorded as the row's `end`, and
+training anchors only before it.
+
+Shard layout (safetensors, one file per `shard_rows` rows, so a killed run resumes at its last
+shard): `tokens` [N, T] int32 (left-padded with 0), `features` [N, T, n * H] bf16 (zeros at
+padding), `pad` [N] (padding columns), `answer` [N] (first answer column), `end` [N] (one past the
+last useful column), `temperature` [N] float32.
+
+    python -m workers.training.harvest --target DIR --layers 7 14 22 29 --rows 1536 --out runs/harvest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from workers.training.chat_prompts import make_prompts
+
+
+def encode_chats(tokenizer, conversations: list[list[dict]], max_prompt: int) -> list[list[int]]:
+    """Chat-templated prompt ids; conversations longer than `max_prompt` tokens are dropped."""
+    out = []
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) <= max_prompt:
+            out.append(list(ids))
+    return out
+
+
+@torch.no_grad()
+def generate_with_features(target, prompts: list[list[int]], answer_len: int, seq_len: int, layers: tuple[int, ...],
+                           temperature: torch.Tensor, stop_ids: tuple[int, ...], gen: torch.Generator) -> dict:
+    """Answer a batch of prompts (each ≤ seq_len − answer_len tokens) with the target.
+
+    temperature [B] (0 = greedy). Returns the shard fields for these B rows (module docstring)."""
+    B = len(prompts)
+    dev = target.model.embed_tokens.weight.device
+    lens = torch.tensor([len(p) for p in prompts])
+    P = int(lens.max())
+    cache = target.new_cache(B, P + answer_len + 1)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    logits, hidden = target(ids.to(dev), zeros, cache, 0, P, capture=layers,
+                            logits_index=(lens - 1)[:, None].to(dev))          # [B, 1, V], [B, P, W]
+    W = hidden.shape[-1]
+    answer = torch.zeros(B, answer_len, dtype=torch.long)
+    feats = torch.zeros(B, answer_len, W, dtype=hidden.dtype)
+    prompt_feats = hidden.cpu()
+    start = lens.clone().to(dev)
+    temp = temperature.to(dev)
+    sampled = (temp > 0).nonzero().flatten()
+    for i in range(answer_len + 1):
+        step_logits = logits[:, -1].float()                                  # [B, V]
+        nxt = step_logits.argmax(-1)
+        if len(sampled):
+            probs = torch.softmax(step_logits[sampled] / temp[sampled, None], -1)
+            noise = torch.empty(probs.shape).exponential_(1, generator=gen).to(dev)
+            nxt[sampled] = (probs / noise).argmax(-1)
+        if i == answer_len:
+            break
+        answer[:, i] = nxt.cpu()
+        logits, hidden = target(nxt[:, None], start, cache, 0, int(start.max()) + 1, capture=layers)
+        feats[:, i] = hidden[:, 0].cpu()                                     # features of answer token i
+        start = start + 1
+    pad = seq_len - (lens + answer_len)
+    tokens = torch.zeros(B, seq_len, dtype=torch.int32)
+    features = torch.zeros(B, seq_len, W, dtype=torch.bfloat16)
+    stop = torch.zeros(B, answer_len, dtype=torch.bool)
+    for s in stop_ids:
+        stop |= answer == s
+    first_stop = torch.where(stop.any(1), stop.int().argmax(1), torch.full((B,), answer_len - 1))
+    for r in range(B):
+        a, L = int(pad[r]), int(lens[r])
+        tokens[r, a : a + L] = torch.tensor(prompts[r], dtype=torch.int32)
+        tokens[r, a + L :] = answer[r].int()
+        features[r, a : a + L] = prompt_feats[r, :L].to(torch.bfloat16)
+        features[r, a + L :] = feats[r].to(torch.bfloat16)
+    return {"tokens": tokens, "features": features, "pad": pad, "answer": pad + lens,
+            "end": pad + lens + first_stop + 1, "temperature": temperature.float()}
+
+
+def harvest(args) -> dict:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from workers.target_model import DTYPES, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+    max_prompt = args.seq_len - args.answer_len
+    # draw more conversations than needed: some are longer than max_prompt
+    convs = make_prompts(args.split, int(args.rows * 1.6) + 64, seed=args.seed)
+    prompts = encode_chats(tokenizer, convs, max_prompt)[: args.rows]
+    if len(prompts) < args.rows:
+        raise ValueError(f"only {len(prompts)} prompts fit in {max_prompt} tokens, asked for {args.rows}")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    gen = torch.Generator().manual_seed(args.seed)
+    temps = (torch.rand(len(prompts), generator=gen) < args.sample_frac).float()
+    target = load_target(args.target, DTYPES[args.dtype], "cpu")
+    layers = tuple(args.layers)
+    stop_ids = tuple({tokenizer.eos_token_id, *(args.stop_ids or [])} - {None})
+    meta = {"target": str(args.target), "layers": list(layers), "seq_len": args.seq_len, "answer_len": args.answer_len,
+            "rows": len(prompts), "sample_frac": args.sample_frac, "dtype": args.dtype, "seed": args.seed,
+            "split": args.split, "stop_ids": list(stop_ids), "shards": []}
+    t0 = time.time()
+    shard_rows = args.shard_rows
+    for s, lo in enumerate(tqdm(range(0, len(order), shard_rows), desc="harvest", unit="shard")):
+        path = out / f"shard_{s:03d}.safetensors"
+        meta["shards"].append(path.name)
+        if path.exists():
+            continue
+        idx = order[lo : lo + shard_rows]
+        parts = [generate_with_features(target, [prompts[i] for i in idx[b : b + args.batch]], args.answer_len,
+                                        args.seq_len, layers, temps[idx[b : b + args.batch]], stop_ids, gen)
+                 for b in range(0, len(idx), args.batch)]
+        shard = {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
+        save_file(shard, str(path))
+    meta["seconds"] = round(time.time() - t0, 1)
+    (out / "harvest.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def load_shards(directory: Path) -> dict[str, torch.Tensor]:
+    """All shards of a harvest directory, concatenated (features stay bf16)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((Path(directory) / "harvest.json").read_text())
+    parts = [load_file(str(Path(directory) / name)) for name in meta["shards"]]
+    data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    data["meta"] = meta
+    return data
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--layers", type=int, nargs="+", required=True, help="target layers to capture (drafter context)")
+    p.add_argument("--rows", type=int, default=1536)
+    p.add_argument("--seq-len", type=int, default=384)
+    p.add_argument("--answer-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--shard-rows", type=int, default=256)
+    p.add_argument("--sample-frac", type=float, default=0.25)
+    p.add_argument("--split", default="train", choices=["train", "heldout"])
+    p.add_argument("--stop-ids", type=int, nargs="*", default=None, help="end-of-turn ids besides the tokenizer's eos")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    harvest(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
