@@ -50,7 +50,7 @@ def guarded(tmp_path_factory):
         async def loads(self):
             return worker.plugin.store.loads()
 
-    app = build_app(LocalBackend(), default_max_tokens=8, api_keys=ApiKeys(KEYS),
+    app = build_app(LocalBackend(), default_max_tokens=4, api_keys=ApiKeys(KEYS),
                     limits=Limits(max_running=MAX_RUNNING, max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY))
     server = HttpServer(app).start()
     deadline = time.monotonic() + 10
@@ -264,7 +264,7 @@ _edge = st.one_of(st.sampled_from([-1, 0, 1, 2**63, 2**64, 1e309, -1e309, 0.5, "
                                    [1, 2], {"a": 1}]), _json)
 _valid_common = {
     "model": st.just("adapt-demo"),
-    "max_tokens": st.integers(1, 8),
+    "max_tokens": st.integers(1, 4),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.05, 1),
     "top_k": st.integers(0, 50),
@@ -289,7 +289,7 @@ _valid_completion = st.fixed_dictionaries({"prompt": _valid_prompt}, optional={
 _valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
                                         "content": st.text(max_size=30)})
 _valid_chat = st.fixed_dictionaries({"messages": st.lists(_valid_message, min_size=1, max_size=3)}, optional={
-    **_valid_common, "max_completion_tokens": st.integers(1, 8), "logprobs": st.just(False)})
+    **_valid_common, "max_completion_tokens": st.integers(1, 4), "logprobs": st.just(False)})
 _FIELDS = sorted({*_valid_common, "prompt", "messages", "echo", "logprobs", "max_completion_tokens", "best_of",
                   "tools", "tool_choice", "presence_penalty", "frequency_penalty", "suffix", "top_logprobs",
                   "unknown_field"})
