@@ -10,6 +10,7 @@ from adapt.commands import optional_module
 # subcommand name -> module under adapt.commands (each has add_parser(subparsers) and run(args))
 COMMANDS = {
     "generate": "generate",
+    "pull": "pull",
     "train-drafter": "train_drafter",
     "serve": "serve",
     "policy": "policy",

@@ -199,6 +199,18 @@ class Engine:
             self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         return self._tokenizer
 
+    @functools.cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a request unless it ignores EOS: the target config's `eos_token_id`s and
+        its tokenizer's EOS (when the directory has a tokenizer; the two may differ)."""
+        ids = list(self.target.config.eos_token_ids)
+        path = Path(self.config.target)
+        if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+            eos = self.tokenizer.eos_token_id
+            if isinstance(eos, int) and 0 <= eos < self.vocab:
+                ids.append(eos)
+        return tuple(dict.fromkeys(ids))
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     knobs: DecodeKnobs | None = None, targets: object = None) -> None:
         """Queue a request; it is prefilled at the next `step()`. Raises `EngineInputError`
@@ -231,7 +243,7 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab]
         if bad:
             raise EngineInputError(f"stop_token_ids must lie in [0, {self.vocab}), got {bad}")
-        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.target.config.eos_token_ids)
+        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
         gen = None
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))

@@ -26,6 +26,7 @@ Plugin protocol (see `adapt.serving.worker_plugin.ServingPlugin`)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -202,6 +203,9 @@ class DecoderWorker:
             if decisions is not None:
                 self.engine.decisions = decisions
         self.tokenizer = self.engine.tokenizer
+        from workers.chat import stop_ids
+
+        self._chat_stops = stop_ids(self.tokenizer, chat=True)  # EOS and the template's end-of-turn token
         on_step = getattr(self.plugin, "on_step", None)
         self.loop = EngineLoop(self.engine, on_step=on_step)
         if self.plugin is not None:
@@ -239,6 +243,8 @@ class DecoderWorker:
             knobs, targets = self.plugin.prepare(request) if self.plugin is not None else ({}, None)
             knobs.setdefault("draft_len", self.engine.block)
             sampling = SamplingParams(**request.get("sampling", {}))
+            if request.get("messages") is not None and not sampling.ignore_eos:  # stop at the end of the turn
+                sampling = dataclasses.replace(sampling, stop_token_ids=(*sampling.stop_token_ids, *self._chat_stops))
             args = (prompt_ids, sampling, DecodeKnobs(**knobs), targets)
         except ValueError as exc:
             yield {"error": {"message": str(exc), "status": 400, "param": _field_of(exc)}}
@@ -298,11 +304,9 @@ class DecoderWorker:
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Apply the tokenizer's chat template, or a plain ``role: content`` transcript when it has none."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    from workers.chat import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, messages)
 
 
 def _default_worker_id() -> str:

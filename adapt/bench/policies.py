@@ -35,8 +35,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("policies", help="policies live and by replay across loads (JSON + plot)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--quick", action="store_true", help="small run (< 10 min on 2 cores)")
-    p.add_argument("--pair", default="auto", choices=("auto", "demo", "tiny"),
-                   help="model pair: demo (models/demo), tiny (random tiny pair, drafter trained briefly), auto")
+    p.add_argument("--pair", default="auto", choices=("auto", "smollm2", "demo", "tiny"),
+                   help="model pair: smollm2 (workers/pairs.py; needs models/smollm2/drafter), demo (models/demo), "
+                        "tiny (random tiny pair, drafter trained briefly), auto (the first of these that is there)")
     p.add_argument("--target", default=None, help="target model directory (overrides --pair)")
     p.add_argument("--drafter", default=None, help="drafter directory (with --target)")
     p.add_argument("--traces", default=None, help="reuse these traces instead of collecting new ones")
@@ -58,7 +59,15 @@ def add_parser(subparsers) -> None:
 
 def _pair(choice: str, out: Path, quick: bool):
     from workers.engine import DEMO_DRAFTER, DEMO_TARGET
+    from workers.pairs import get_pair
 
+    smol = get_pair("smollm2")
+    if choice == "smollm2" or (choice == "auto" and smol.drafter is not None):
+        if smol.drafter is None:
+            raise SystemExit("adapt bench policies: the smollm2 pair has no drafter yet (models/smollm2/drafter); "
+                             "use --pair demo")
+        smol.prepare()
+        return "smollm2", smol.target, smol.drafter
     demo_ok = (Path(DEMO_TARGET) / "config.json").is_file() and (Path(DEMO_DRAFTER) / "config.json").is_file()
     if choice == "demo" or (choice == "auto" and demo_ok):
         if not demo_ok:
@@ -77,7 +86,7 @@ def _pair(choice: str, out: Path, quick: bool):
 def _prompts(kind: str, engine, n: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
-    if kind == "demo":
+    if kind in ("demo", "smollm2"):  # prompts from the held-out stdlib files
         from workers.training.corpus import read_texts, stdlib_files
 
         ids: list[int] = []

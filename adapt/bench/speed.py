@@ -1,10 +1,17 @@
 """`adapt bench speed`: our engine against transformers and vLLM's CPU build, side by side.
 
-    adapt bench speed --out results/speed                  # demo pair, batch 1 and 8, 128 tokens
-    adapt bench speed --quick --rows adapt,adapt-ar,hf     # a short look
+    adapt bench speed --out results/speed                  # smollm2 pair, batch 1 and 8, 128 tokens
+    adapt bench speed --pair demo --quick --rows adapt,adapt-ar,hf     # a short look
+    adapt bench speed --prompts my_prompts.jsonl           # your own prompts
 
-Every row decodes the same prompts (token ids cut from the held-out stdlib files, so the demo
-target never trained on them), greedily, exactly `--max-tokens` new tokens each (EOS ignored), at
+Models: `--pair NAME` (workers/pairs.py: `smollm2`, the default, or `demo`); `--target` /
+`--drafter` override the pair's (`--drafter none`: no drafter; rows that need one are skipped).
+Prompts: `--prompts FILE`, JSON Lines of `{"prompt": "text"}` or `{"messages": [{"role": ..., "content":
+...}, ...]}` (rendered with the target's chat template), or a JSON list of strings; text is
+tokenized without special tokens. Every row gets the same prompt token ids.
+
+Every row decodes the same prompts (by default token ids cut from the held-out stdlib files, so
+the demo target never trained on them), greedily, exactly `--max-tokens` new tokens each (EOS ignored), at
 each batch size: the prompts run in groups of `batch`, a group decoded together. Rows:
 
 | row | what runs |
@@ -40,6 +47,7 @@ import statistics
 import time
 from pathlib import Path
 
+from workers.pairs import DEFAULT_PAIR, PAIRS
 from workers.request import COMPILE_CHOICES
 
 
@@ -64,13 +72,17 @@ RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("speed", help="tokens/s of our engine vs transformers and vLLM (CPU)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "demo" / "target", help="target model directory")
-    p.add_argument("--drafter", type=Path, default=REPO_ROOT / "models" / "demo" / "drafter", help="drafter directory")
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
+                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
+    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the pair's; 'none' = no drafter)")
+    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
     p.add_argument("--dtype", default="auto", help="auto (fastest on the device: bfloat16 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSON file with a list of prompt strings (default: windows of the held-out stdlib files)")
+                   help='JSON Lines of {"prompt": TEXT} or {"messages": [...]} (chat template), or a JSON list of '
+                        "strings (default: windows of the held-out stdlib files)")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per measurement (default: the largest batch size)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
     p.add_argument("--max-groups", type=int, default=0,
@@ -125,14 +137,49 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def file_prompts(tokenizer, path: Path, count: int) -> list[list[int]]:
+def read_prompts(path: Path) -> list[str | list[dict]]:
+    """The prompts of a `--prompts` file: texts, or message lists for the chat template."""
     try:
-        texts = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = path.read_text()
+    except OSError as exc:
         raise SystemExit(f"--prompts: cannot read {path}: {exc}") from None
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-        raise SystemExit(f"--prompts: {path} must hold a JSON list of non-empty strings")
-    prompts = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if raw.lstrip().startswith("["):  # a JSON list of strings (the older format)
+        try:
+            texts = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--prompts: {path} is not valid JSON: {exc}") from None
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise SystemExit(f"--prompts: {path} must hold a JSON list of non-empty strings")
+        return texts
+    items: list[str | list[dict]] = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--prompts: {path} line {n} is not JSON: {exc}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            items.append(obj["prompt"])
+        elif (isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"]
+              and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                      for m in obj["messages"])):
+            items.append([{"role": m["role"], "content": m["content"]} for m in obj["messages"]])
+        else:
+            raise SystemExit(f"--prompts: {path} line {n}: expected {{\"prompt\": TEXT}} or "
+                             f"{{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}}")
+    if not items:
+        raise SystemExit(f"--prompts: {path} holds no prompts")
+    return items
+
+
+def file_prompts(tokenizer, path: Path, count: int) -> list[list[int]]:
+    """`count` prompts' token ids from a `--prompts` file, cycling through it: texts without
+    special tokens, message lists through the chat template (workers/chat.py)."""
+    from workers.chat import chat_prompt_ids
+
+    prompts = [chat_prompt_ids(tokenizer, item) if isinstance(item, list)
+               else list(tokenizer(item, add_special_tokens=False)["input_ids"]) for item in read_prompts(path)]
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
@@ -142,9 +189,13 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
     from adapt.bench.speed_runners import VLLM_NGRAM, AdaptRunner, HFRunner, VLLMRunner, find_vllm_python
 
     runners, skipped = {}, {}
-    target, drafter = args.target.resolve(), args.drafter.resolve()
-    for row in ("adapt", "adapt-policy", "adapt-ar", "adapt-ar-eager"):
-        if row in rows and not (drafter / "config.json").is_file():
+    target = args.target.resolve()
+    drafter = None if args.drafter is None else args.drafter.resolve()
+    for row in ("adapt", "adapt-policy"):
+        if row in rows and (drafter is None or not (drafter / "config.json").is_file()):
+            skipped[row] = f"no drafter at {drafter}" if drafter is not None else f"the {args.pair} pair has no drafter"
+    for row in ("adapt-ar", "adapt-ar-eager"):
+        if row in rows and drafter is not None and not (drafter / "config.json").is_file():
             skipped[row] = f"no drafter at {drafter}"
     vllm_rows = [r for r in rows if r.startswith("vllm")]
     python, reason = (None, "")
@@ -205,8 +256,15 @@ def run(args) -> int:
 
     from workers.target_model import resolve_dtype
 
+    from workers.pairs import resolve_models
+    from workers.pull import PullError
+
     rows = parse_rows(args.rows)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
+    try:
+        args.target, args.drafter, _ = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
+    except PullError as exc:
+        raise SystemExit(f"adapt bench speed: error: {exc}") from None
     max_tokens = 32 if args.quick else args.max_tokens
     rounds = 1 if args.quick else args.rounds
     if max_tokens < 1 or rounds < 1:
@@ -328,7 +386,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
         "benchmark": "speed",
         "complete": final,
         "config": {
-            "target": str(args.target), "drafter": str(args.drafter), "dtype": str(ctx["dtype"]).removeprefix("torch."),
+            "pair": args.pair, "target": str(args.target), "drafter": str(args.drafter), "dtype": str(ctx["dtype"]).removeprefix("torch."),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
             "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",

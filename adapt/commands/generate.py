@@ -1,11 +1,15 @@
 """`adapt generate "PROMPT"`: decode one prompt with the speculative-diffusion engine.
 
-    adapt generate "def fibonacci(n):" --max-tokens 64 --json
-    adapt generate "import os" --steps 2 --draft-len 8 --quality tvd=0.05 --temperature 0.8 --seed 1
-    adapt generate "x = 1" --draft-len 0          # autoregressive, same engine
-    adapt generate "..." --target DIR --drafter DIR
+    adapt generate --chat "Write a Python function that checks whether a number is prime."
+    adapt generate "def fibonacci(n):" --pair demo --max-tokens 64 --json
+    adapt generate "import os" --pair demo --steps 2 --draft-len 8 --quality tvd=0.05 --temperature 0.8 --seed 1
+    adapt generate "x = 1" --draft-len 0          # autoregressive, same engine (no drafter loaded)
+    adapt generate "..." --target DIR --drafter DIR   # or --drafter none
 
-Defaults to the demo pair in models/demo/{target,drafter} of the repository. With --json it
+Models come from a named pair (workers/pairs.py): `smollm2` by default (SmolLM2-135M-Instruct,
+pulled into the cache on first use; its drafter when the repository has one, else autoregressive)
+or `demo` (models/demo). `--chat MESSAGE` renders one user message with the target's chat
+template and stops at the template's end-of-turn token (not part of the text). With --json it
 prints one object: text, token_ids (generated only) and stats (tau = tokens per target forward
 pass, target_passes, tokens, tokens_per_s = generated tokens / wall time from prefill start to the
 last token, model loading excluded, accept_per_position, tvd_spent, ...).
@@ -17,15 +21,23 @@ import json
 import sys
 from pathlib import Path
 
+from workers.pairs import DEFAULT_PAIR, PAIRS
 from workers.request import COMPILE_CHOICES
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="decode a prompt with speculative diffusion (or autoregressively)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--target", type=Path, default=None, help="target model directory (default: models/demo/target)")
-    p.add_argument("--drafter", type=Path, default=None, help="drafter directory (default: models/demo/drafter)")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --chat MESSAGE)")
+    p.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="a user message, rendered with the target's chat template; stops at its end-of-turn token")
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
+                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
+    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
+                        "'none' = autoregressive")
+    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
     p.add_argument("--steps", type=int, default=1, help="diffusion (denoising) steps per drafted block, s >= 1")
     p.add_argument("--draft-len", type=int, default=None,
                    help="drafted tokens verified per step, k (default: the drafter's block size; 0 = autoregressive)")
@@ -51,15 +63,16 @@ def add_parser(subparsers) -> None:
 
 
 def _model_dirs(args) -> tuple[Path, Path | None]:
-    from workers.engine import DEMO_DRAFTER, DEMO_TARGET
+    from workers.pairs import resolve_models
 
-    target = args.target or DEMO_TARGET
-    drafter = args.drafter or DEMO_DRAFTER
+    target, drafter, _ = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
+    if args.draft_len == 0:  # autoregressive: a drafter would only be loaded and kept in step
+        drafter = None
     for name, path, flag in (("target", target, "--target"), ("drafter", drafter, "--drafter")):
-        if not (Path(path) / "config.json").is_file():
-            which = "demo " if getattr(args, name) is None else ""
+        if path is not None and not (Path(path) / "config.json").is_file():
+            which = f"{args.pair} pair's " if getattr(args, name) is None else ""
             raise ValueError(f"{flag}: {which}{name} model directory {str(path)!r} not found (no config.json)")
-    return Path(target), Path(drafter)
+    return target, drafter
 
 
 def run(args) -> int:
@@ -80,9 +93,9 @@ def _run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if (args.prompt is None) == (args.chat is None):
+        raise ValueError("give either a prompt or --chat MESSAGE")
     target, drafter = _model_dirs(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     sink = None
     if args.trace:
         from workers.traces import FileTraceSink
@@ -93,10 +106,18 @@ def _run(args) -> int:
     engine.warm_up()
     draft_len = engine.block if args.draft_len is None else args.draft_len
     knobs = DecodeKnobs(steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
-    engine.add_request("cli", args.prompt, params, knobs)
+    tok = engine.tokenizer
+    prompt, stops = args.prompt, ()
+    if args.chat is not None:
+        from workers.chat import chat_prompt_ids, stop_ids
+
+        prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.chat}])
+        stops = () if args.ignore_eos else stop_ids(tok, chat=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop_token_ids=stops, ignore_eos=args.ignore_eos)
+    engine.add_request("cli", prompt, params, knobs)
     token_ids, stats, reason = [], {}, None
     stream = not args.json
-    tok = engine.tokenizer
     while engine.has_unfinished():
         for out in engine.step():
             token_ids.extend(out.new_token_ids)
@@ -104,7 +125,10 @@ def _run(args) -> int:
             if stream:
                 sys.stdout.write(tok.decode(token_ids, skip_special_tokens=True)[len(tok.decode(token_ids[: len(token_ids) - len(out.new_token_ids)], skip_special_tokens=True)):])
                 sys.stdout.flush()
-    text = tok.decode(token_ids, skip_special_tokens=True)
+    # the stop token ends token_ids (finish_reason "stop") but is never part of the text
+    ended = set(stops) | set(() if args.ignore_eos else engine.eos_token_ids)
+    shown = token_ids[:-1] if reason == "stop" and token_ids and token_ids[-1] in ended else token_ids
+    text = tok.decode(shown, skip_special_tokens=True)
     stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
                  steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
     if args.json:

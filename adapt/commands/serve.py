@@ -1,9 +1,10 @@
 """`adapt serve`: the OpenAI-compatible server on local Ray with decoder workers and a controller.
 
-Defaults run everything on this machine: a local Ray, the demo pair in `models/demo/`, one
-decoder worker, and an in-process state store (hosted by the controller) unless `--redis-url`
-is given. On an existing Ray cluster use `--ray-address auto`, or the Ray Serve config in
-`deploy/` (docs/serving.md).
+Defaults run everything on this machine: a local Ray, the `smollm2` pair (SmolLM2-135M-Instruct,
+pulled into the cache on first use; `--pair demo` for the pair in `models/demo/`), one decoder
+worker, and an in-process state store (hosted by the controller) unless `--redis-url` is given.
+On an existing Ray cluster use `--ray-address auto`, or the Ray Serve config in `deploy/`
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import os
 from pathlib import Path
 
 from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from workers.pairs import DEFAULT_PAIR, PAIRS
 from workers.request import COMPILE_CHOICES
-
-DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (Ray workers + controller)")
-    p.add_argument("--target", default=str(DEMO / "target"), help="target model directory (default: the demo target)")
-    p.add_argument("--drafter", default=str(DEMO / "drafter"), help="drafter directory (default: the demo drafter)")
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
+                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
+    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
+                        "'none' = autoregressive")
+    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Ray actors)")
@@ -29,8 +34,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--policy", default="adaptive",
                    help="policy from the registry (default: adaptive; 'engine' = each request's own knobs)")
     p.add_argument("--policy-file", default=None,
-                   help="policy JSON to publish at start (adapt.policy_file; default with the demo target: "
-                        "models/demo/policy.json, fitted on the demo pair's traces; 'none' = no file)")
+                   help="policy JSON to publish at start (adapt.policy_file; default with the pair's own models: "
+                        "the pair's policy file, e.g. models/demo/policy.json, fitted on its traces; 'none' = no file)")
     p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads per worker (cores/workers)")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     p.add_argument("--max-batch", type=int, default=32)
@@ -38,12 +43,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
-                   help="compiled decode steps (workers/compiled.py): auto = on for CPU devices; each worker "
-                        "compiles at start, about a minute or two on 2 cores")
+                   help="compiled decode steps (workers/compiled.py): auto = off here, so workers serve within "
+                        "seconds (compiling takes minutes per worker before it serves: docs/serving.md, 'Start-up'); "
+                        "on = compile at start")
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
     p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
-    p.add_argument("--model-name", default="adapt-demo", help="the model id the API reports")
+    p.add_argument("--model-name", default=None, help="the model id the API reports (default: adapt-PAIR)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 route (repeatable; also "
                         "ADAPT_API_KEY, comma-separated, which keeps keys out of the process list)")
@@ -55,17 +61,25 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def default_policy(policy: str | None, policy_file: str | None, target: str) -> tuple[str | None, str | None]:
-    """(policy name, policy file) to start with: 'engine' means none (each request's own knobs);
-    without a file, the demo target gets the shipped demo policy file when it is there."""
-    name = None if policy in (None, "", "engine") else policy
+def default_policy(policy: str | None, policy_file: str | None, shipped: Path | None,
+                   drafter: Path | None = Path("drafter")) -> tuple[str | None, str | None]:
+    """(policy name, policy file) to start with: 'engine' means none (each request's own knobs),
+    and so does an engine without a drafter (a policy has nothing to choose); without a file, the
+    pair's shipped policy file (`shipped`, None when the models are not the pair's own)."""
+    name = None if policy in (None, "", "engine") or drafter is None else policy
     if policy_file == "none":
         return name, None
-    if policy_file is None and name is not None and Path(target).resolve() == (DEMO / "target").resolve():
-        shipped = DEMO / "policy.json"
-        if shipped.is_file():
-            return name, str(shipped)
+    if policy_file is None and name is not None and shipped is not None and Path(shipped).is_file():
+        return name, str(shipped)
     return name, policy_file
+
+
+def serve_compile(choice: str) -> str:
+    """The workers' `compile` setting: `auto` is eager for serving. A worker compiles its decode
+    steps before it serves (torch's on-disk caches do not hold frozen programs), which takes
+    minutes on 2 cores (SmolLM2: more than ten), against a gain that does not pay for it on
+    SmolLM2 (docs/serving.md, "Start-up")."""
+    return "off" if choice == "auto" else choice
 
 
 def run(args) -> int:
@@ -76,10 +90,18 @@ def run(args) -> int:
     from adapt.serving.launcher import start_stack
     from adapt.targets import ServerDefaults
 
+    from workers.pairs import resolve_models
+    from workers.pull import PullError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for path, what in ((args.target, "--target"), (args.drafter, "--drafter")):
+    try:
+        target, drafter, shipped = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
+    except PullError as exc:
+        raise SystemExit(f"adapt serve: error: {exc}") from None
+    for path, what in ((target, "--target"), (drafter, "--drafter")):
         if path and not os.path.isdir(path):
             raise SystemExit(f"{what}: no such model directory: {path}")
+    model_name = args.model_name or f"adapt-{args.pair}"
     if args.num_workers < 1:
         raise SystemExit("--num-workers: must be >= 1")
     if args.max_queue < 0:
@@ -90,12 +112,12 @@ def run(args) -> int:
 
     api_keys = ApiKeys.from_sources(args.api_key)
     defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
-    policy, policy_file = default_policy(args.policy, args.policy_file, args.target)
+    policy, policy_file = default_policy(args.policy, args.policy_file, shipped, drafter)
     stack = start_stack(
-        args.target, args.drafter, num_workers=args.num_workers, redis_url=args.redis_url, policy=policy,
-        policy_file=policy_file, model_name=args.model_name, defaults=defaults,
+        str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
+        redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device, "compile": args.compile},
+                        "device": args.device, "compile": serve_compile(args.compile)},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
@@ -103,7 +125,7 @@ def run(args) -> int:
     url = f"http://{args.host}:{args.port}"
     store = args.redis_url or "in-process (controller actor)"
     auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
-    print(f"adapt serving {args.model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
+    print(f"adapt serving {model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
           f"{auth}, queue limit {args.max_queue})", flush=True)
     try:
         uvicorn.run(stack.app, host=args.host, port=args.port, log_level="warning")

@@ -117,7 +117,9 @@ class ServingPlugin:
     def decisions(self, engine: Any = None):
         """The decision maker to start with: the store's current policy, else the named one."""
         self.block_size = int(getattr(engine, "block", 0) or 0) or None
-        if self.profile_cost and engine is not None and hasattr(engine, "tcache"):
+        # no drafter, nothing for a policy to choose (and no cost model to profile: ~15 s saved at start)
+        if (self.profile_cost and engine is not None and hasattr(engine, "tcache")
+                and getattr(engine, "drafter", None) is not None):
             try:
                 from adapt.controller import profile_engine
 
