@@ -437,6 +437,8 @@ def main(argv=None) -> int:
             log(f"{section}: skipped ({reason})")
         else:
             log(f"{section}: start")
+            summary["sections"][section] = {"status": "running (a run that ends here was stopped in it)"}
+            (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
             try:
                 result = _runner(section)(ctx)
                 checks = result.get("checks", {})
