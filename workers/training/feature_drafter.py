@@ -123,19 +123,21 @@ def train(args) -> dict:
     meta = data.pop("meta")
     hf, embed, lm_head = target_parts(args.target)
     stop_ids = tuple(meta.get("stop_ids", []))
-    ids, coverage = draft_vocabulary(data["tokens"], data["answer"], data["end"], args.draft_vocab, stop_ids)
+    ids, coverage = draft_vocabulary(data["tokens"], data["answer"], data["end"], args.draft_vocab or hf.vocab_size,
+                                     stop_ids)
     t2d = torch.full((hf.vocab_size,), -1, dtype=torch.long)
     t2d[ids] = torch.arange(len(ids))
     print(f"data: {len(data['tokens'])} rows, draft vocabulary {len(ids)} covers {coverage:.1%} of answer tokens",
           flush=True)
-    drafter = init_drafter(hf, embed, lm_head, seed=args.seed, draft_ids=ids, num_layers=args.layers,
+    drafter = init_drafter(hf, embed, lm_head, seed=args.seed, num_layers=args.layers,
+                           draft_ids=ids if len(ids) < hf.vocab_size else None,
                            block_size=args.block_size, target_layer_ids=meta["layers"],
                            intermediate_size=args.intermediate)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()):,} parameters, layers {args.layers}, "
           f"target layers {meta['layers']}", flush=True)
     out = Path(args.out)
     ckpt = out / "checkpoint" / "state.pt"
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
@@ -153,7 +155,8 @@ def train(args) -> dict:
     log = (out / "train_log.jsonl").open("a")
     drafter.train()
     t0 = time.time()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train-drafter")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train-drafter",
+               disable=getattr(args, "no_progress", False))
     for step in bar:
         rows = torch.randint(0, len(data["tokens"]), (args.batch,), generator=gen)
         anchors = sample_batch(data, rows, args.anchors, args.block_size, gen)
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=None)
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the whole target vocabulary")
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-every", type=int, default=100)
