@@ -38,10 +38,19 @@ def add_parser(subparsers) -> None:
                    help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
                         "'none' = autoregressive")
     p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
-    p.add_argument("--steps", type=int, default=1, help="diffusion (denoising) steps per drafted block, s >= 1")
+    p.add_argument("--policy", default="auto", choices=["auto", "adaptive", "static"],
+                   help="who picks s, k and the rule on every pass: 'adaptive' = the adaptive policy with the "
+                        "pair's fitted policy file and a cost model profiled on this engine at start (what "
+                        "adapt serve runs); 'static' = the knobs below; 'auto' (default) = adaptive when the "
+                        "pair ships a policy file and no knob below is given, else static")
+    p.add_argument("--steps", type=int, default=None,
+                   help="diffusion (denoising) steps per drafted block, s >= 1 (static; default 1)")
     p.add_argument("--draft-len", type=int, default=None,
-                   help="drafted tokens verified per step, k (default: the drafter's block size; 0 = autoregressive)")
-    p.add_argument("--quality", default="lossless", help="'lossless' or 'tvd=E' (lenient, <= E TVD per token)")
+                   help="drafted tokens verified per step, k (static; default: the drafter's block size; "
+                        "0 = autoregressive)")
+    p.add_argument("--quality", default=None,
+                   help="'lossless' (default) or 'tvd=E' (lenient, <= E TVD per token); the adaptive policy "
+                        "keeps within it too")
     p.add_argument("--commit-order", default="confidence", choices=["confidence", "left-to-right"],
                    help="which masked positions each denoising step commits")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -62,17 +71,26 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _model_dirs(args) -> tuple[Path, Path | None]:
+def _model_dirs(args) -> tuple[Path, Path | None, Path | None]:
     from workers.pairs import resolve_models
 
-    target, drafter, _ = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
+    target, drafter, policy_file = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
     if args.draft_len == 0:  # autoregressive: a drafter would only be loaded and kept in step
         drafter = None
     for name, path, flag in (("target", target, "--target"), ("drafter", drafter, "--drafter")):
         if path is not None and not (Path(path) / "config.json").is_file():
             which = f"{args.pair} pair's " if getattr(args, name) is None else ""
             raise ValueError(f"{flag}: {which}{name} model directory {str(path)!r} not found (no config.json)")
-    return target, drafter
+    return target, drafter, policy_file
+
+
+def _use_adaptive(args, drafter, policy_file) -> bool:
+    """Whether the adaptive policy decides (see --policy)."""
+    if args.policy == "static" or drafter is None:
+        return False
+    if args.policy == "adaptive":
+        return True
+    return policy_file is not None and args.steps is None and args.draft_len is None
 
 
 def run(args) -> int:
@@ -91,11 +109,13 @@ def _run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if (args.prompt is None) == (args.chat is None):
         raise ValueError("give either a prompt or --chat MESSAGE")
-    target, drafter = _model_dirs(args)
+    target, drafter, policy_file = _model_dirs(args)
+    adaptive = _use_adaptive(args, drafter, policy_file)
+    steps, quality = args.steps or 1, args.quality or "lossless"
     sink = None
     if args.trace:
         from workers.traces import FileTraceSink
@@ -105,7 +125,12 @@ def _run(args) -> int:
                                  compile=args.compile), trace_sink=sink)
     engine.warm_up()
     draft_len = engine.block if args.draft_len is None else args.draft_len
-    knobs = DecodeKnobs(steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
+    knobs = DecodeKnobs(steps=steps, draft_len=draft_len, quality=quality, commit_order=args.commit_order)
+    if adaptive:
+        from adapt.controller import build_policy, profile_engine
+
+        # the policy decides s, k and the rule of every pass, within the request's quality target
+        engine.decisions = build_policy("adaptive", policy_file, cost=profile_engine(engine))
     tok = engine.tokenizer
     prompt, stops = args.prompt, ()
     if args.chat is not None:
@@ -115,7 +140,12 @@ def _run(args) -> int:
         stops = () if args.ignore_eos else stop_ids(tok, chat=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop_token_ids=stops, ignore_eos=args.ignore_eos)
-    engine.add_request("cli", prompt, params, knobs)
+    targets = None
+    if adaptive:
+        from adapt.targets import RequestTargets
+
+        targets = RequestTargets(quality=quality)
+    engine.add_request("cli", prompt, params, knobs, targets=targets)
     token_ids, stats, reason = [], {}, None
     stream = not args.json
     while engine.has_unfinished():
@@ -130,7 +160,8 @@ def _run(args) -> int:
     shown = token_ids[:-1] if reason == "stop" and token_ids and token_ids[-1] in ended else token_ids
     text = tok.decode(shown, skip_special_tokens=True)
     stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-                 steps=args.steps, draft_len=draft_len, quality=args.quality, commit_order=args.commit_order)
+                 policy="adaptive" if adaptive else "static", quality=quality,
+                 **({} if adaptive else {"steps": steps, "draft_len": draft_len, "commit_order": args.commit_order}))
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "stats": stats}))
     else:
