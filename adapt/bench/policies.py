@@ -86,7 +86,14 @@ def _pair(choice: str, out: Path, quick: bool):
 def _prompts(kind: str, engine, n: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
-    if kind in ("demo", "smollm2"):  # prompts from the held-out stdlib files
+    if kind == "smollm2":  # an instruct model: held-out instruction prompts in its chat template
+        from workers.training.chat_prompts import make_prompts
+        from workers.training.harvest import encode_chats
+
+        out = encode_chats(engine.tokenizer, make_prompts("heldout", 2 * n + 8, seed=seed), 4 * length + 256)
+        if len(out) >= n:
+            return out[:n]
+    if kind == "demo":  # prompts from the held-out stdlib files
         from workers.training.corpus import read_texts, stdlib_files
 
         ids: list[int] = []
