@@ -14,6 +14,7 @@ import yaml
 serve = pytest.importorskip("ray.serve")
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "serve_config.yaml"
+AUTH = {"Authorization": "Bearer sk-serve-1"}
 
 
 def test_serve_config_is_valid_and_builds_the_app():
@@ -50,7 +51,7 @@ def serve_app(redis_server, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = app_builder({"target": str(target), "drafter": str(drafter), "redis_url": redis_server.url,
                        "num_threads": 1, "engine_options": {"max_batch": 4, "max_len": 256},
-                       "default_max_tokens": 8,
+                       "default_max_tokens": 8, "api_keys": ["sk-serve-1"],
                        "decoder_options": {"ray_actor_options": {"num_gpus": 0, "num_cpus": 0.5}}})
     serve.run(app, name="adapt", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -60,20 +61,21 @@ def serve_app(redis_server, tmp_path_factory):
 
 def test_serve_app_serves_with_sla_headers(serve_app):
     url = serve_app
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=120).status_code == 401
     r = httpx.post(url + "/v1/completions", json={"prompt": "def add(a, b):", "temperature": 0},
-                   headers={"X-SLA-TPOT-Ms": "1000", "X-SLA-Quality": "lossless"}, timeout=120)
+                   headers={"X-SLA-TPOT-Ms": "1000", "X-SLA-Quality": "lossless", **AUTH}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] <= 8
     assert body["adapt"]["targets"]["tpot_ms"] == 1000.0 and body["adapt"]["worker"].startswith("decoder-")
     assert r.headers["x-sla-met"] in ("true", "false")
     events = []
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, headers=AUTH,
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}) as s:
         for line in s.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
     assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop") and "adapt" in events[-1]
-    bad = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"X-SLA-Priority": "soon"})
+    bad = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"X-SLA-Priority": "soon", **AUTH})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-SLA-Priority"
     assert httpx.get(url + "/health", timeout=30).json()["workers"] == 1

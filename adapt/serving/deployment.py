@@ -95,6 +95,8 @@ class ServeBackend:
         self._last: dict[str, dict[str, Any]] = {}
 
     async def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        from ray.serve.exceptions import BackPressureError
+
         gen = self.decoder.options(stream=True).generate.remote(request)
         got_any = False
         try:
@@ -103,6 +105,10 @@ class ServeBackend:
                 yield chunk
         except ApiError:
             raise
+        except BackPressureError as exc:  # the Decoder deployment's max_queued_requests
+            raise ApiError(f"server busy: the decoders' queues are full ({exc.max_queued_requests} waiting); "
+                           "retry after 1 s", status=429, type_="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
         except Exception as exc:  # noqa: BLE001 - the replica died or was stopped
             raise ApiError(f"decoder replica failed{' mid-stream' if got_any else ''}: {type(exc).__name__}",
                            status=503, type_="server_error", code="worker_died") from None
@@ -126,7 +132,8 @@ class Ingress:
 
     def __init__(self, decoder: Any, controller: Any, redis_url: str, model_name: str = "adapt",
                  default_tpot_ms: float | None = None, default_quality: str = "lossless",
-                 default_max_tokens: int = 64):
+                 default_max_tokens: int = 64, api_keys: list[str] | None = None,
+                 max_body_bytes: int | None = None):
         from adapt.serving.store import open_store
         from adapt.targets import ServerDefaults
 
@@ -135,18 +142,26 @@ class Ingress:
         self.model_name = model_name
         self.defaults = ServerDefaults(tpot_ms=default_tpot_ms, quality=default_quality)
         self.default_max_tokens = default_max_tokens
+        self.api_keys = list(api_keys or [])
+        self.max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):
+        from adapt.serving.auth import ApiKeys
         from adapt.serving.http_app import build_app
+        from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
+        # the queue limit is the Decoder deployment's max_queued_requests (answered 429 by ServeBackend)
+        limits = Limits(max_running=None, max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         return build_app(self.backend, model_name=self.model_name, defaults=self.defaults,
-                         default_max_tokens=self.default_max_tokens)
+                         default_max_tokens=self.default_max_tokens,
+                         api_keys=ApiKeys.from_sources(self.api_keys), limits=limits)
 
 
 def app_builder(args: dict[str, Any]):
     """The Serve application from config ``args``: target, drafter, redis_url (required);
     policy, model_name, engine_options, num_threads, default_tpot_ms, default_quality,
-    default_max_tokens, decoder_options (Serve options of the Decoder deployment) (optional)."""
+    default_max_tokens, decoder_options (Serve options of the Decoder deployment), api_keys (list;
+    ADAPT_API_KEY in the Ingress replicas' environment works too), max_body_bytes (optional)."""
     missing = [k for k in ("target", "redis_url") if not args.get(k)]
     if missing:
         raise ValueError(f"{missing[0]}: required in the application's args (see deploy/serve_config.yaml)")
@@ -157,4 +172,4 @@ def app_builder(args: dict[str, Any]):
     controller = ControllerDeployment.bind(redis_url)
     return Ingress.bind(decoder, controller, redis_url, str(args.get("model_name", "adapt")),
                         args.get("default_tpot_ms"), str(args.get("default_quality", "lossless")),
-                        int(args.get("default_max_tokens", 64)))
+                        int(args.get("default_max_tokens", 64)), args.get("api_keys"), args.get("max_body_bytes"))

@@ -42,8 +42,10 @@ class ApiError(Exception):
     """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # extra response headers (e.g. Retry-After of a 429)
         self.message = message
         self.param = param
         self.status = status

@@ -53,7 +53,7 @@ class Backend(Protocol):
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
