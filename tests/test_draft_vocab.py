@@ -169,3 +169,25 @@ def test_training_on_features_writes_a_working_reduced_drafter(harvested, tmp_pa
     args.steps, args.resume = 40, True
     train(args)
     assert '"step": 40' in (tmp_path / "drafter" / "train_log.jsonl").read_text().splitlines()[-1]
+
+
+def test_saving_in_bf16_keeps_the_draft_ids_exact(small_pair, tmp_path):
+    """Integer buffers are not cast with the weights (bf16 holds integers only up to 256 exactly)."""
+    from transformers import AutoConfig
+
+    from workers.drafter import BlockDiffusionDrafter
+
+    target_dir, drafter_dir = small_pair
+    hf = AutoConfig.from_pretrained(target_dir)
+    src = load_drafter(drafter_dir, hf)
+    cfg = src.config
+    cfg.vocab_size, cfg.draft_vocab_size = 50_000, 3  # a config only: ids above bf16's exact range
+    big = BlockDiffusionDrafter(cfg)
+    big.set_draft_vocab(torch.tensor([257, 30_001, 49_999]))
+    big.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert saved["draft_ids"].dtype == torch.int64
+    assert saved["draft_ids"].tolist() == [257, 30_001, 49_999]
+    assert saved["fc.weight"].dtype == torch.bfloat16

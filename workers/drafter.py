@@ -432,7 +432,8 @@ class BlockDiffusionDrafter(Fusable):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in self.state_dict().items()}  # integer buffers (draft_ids) keep their type
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "model_type": MODEL_TYPE})
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
