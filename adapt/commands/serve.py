@@ -10,6 +10,7 @@ On an existing Ray cluster use `--ray-address auto`, or the Ray Serve config in 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
@@ -96,8 +97,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         target, drafter, shipped = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
-    except PullError as exc:
-        raise SystemExit(f"adapt serve: error: {exc}") from None
+    except PullError as exc:  # one line, exit status 2, as `adapt pull`
+        print(f"adapt serve: error: {exc}", file=sys.stderr)
+        return 2
     for path, what in ((target, "--target"), (drafter, "--drafter")):
         if path and not os.path.isdir(path):
             raise SystemExit(f"{what}: no such model directory: {path}")
