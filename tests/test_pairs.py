@@ -198,6 +198,30 @@ def test_chat_generation_is_the_targets_greedy_output_and_stops_at_im_end(smollm
     assert short["text"] == tok.decode(short["token_ids"][:-1])
 
 
+def test_the_shipped_drafter_decodes_the_targets_greedy_output(smollm2, capsys):
+    """SmolLM2 with models/smollm2/drafter (reduced draft vocabulary) in fp32: static knobs of
+    several s / k and the adaptive policy with the pair's policy file all give transformers'
+    greedy tokens, and drafts do get accepted."""
+    from transformers import AutoTokenizer
+
+    from workers.chat import chat_prompt_ids
+
+    pair = get_pair("smollm2")
+    assert pair.drafter is not None and pair.policy_file is not None
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    message = "Write a Python function that returns the largest element of a list."
+    want = _hf_greedy(smollm2, chat_prompt_ids(tok, [{"role": "user", "content": message}]), 32)
+    accepted = 0
+    for knobs in (["--steps", "1"], ["--steps", "2", "--draft-len", "6"], ["--policy", "adaptive"]):
+        rc = main(["generate", "--chat", message, "--dtype", "float32", "--max-tokens", "32", "--json", *knobs])
+        assert rc == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == want, knobs
+        accepted += got["stats"]["accepted"]
+    assert got["stats"]["policy"] == "adaptive"
+    assert accepted > 0, "no draft was accepted: the test exercises nothing"
+
+
 def test_generate_needs_a_prompt_or_chat_and_draft_len_0_needs_no_drafter(smollm2, capsys):
     assert main(["generate", "--pair", "demo"]) == 2
     assert "either a prompt or --chat" in capsys.readouterr().err

@@ -75,3 +75,22 @@ def test_common_start_gives_the_same_results(tmp_path, family):
         torch.testing.assert_close(h1, h0, atol=0, rtol=0)
     for c0, c1 in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         torch.testing.assert_close(c1[1:4, :, :16], c0[1:4, :, :16], atol=0, rtol=0)
+
+
+def test_few_query_attention_matches_sdpa():
+    """The decode/verify attention path (grouped matmuls) equals SDPA's, with per-row causal masks."""
+    import torch.nn.functional as F
+
+    from workers.target_model import causal_mask, few_query_attention
+
+    torch.manual_seed(0)
+    for B, T, h, kvh, W in ((1, 1, 9, 3, 40), (4, 5, 4, 4, 33), (3, 17, 8, 2, 64)):
+        q = torch.randn(B, T, h, 16)
+        k, v = torch.randn(B, kvh, W, 16), torch.randn(B, kvh, W, 16)
+        starts = torch.randint(0, W - T + 1, (B,))
+        mask = causal_mask(starts[:, None] + torch.arange(T), W, torch.float32)  # [B, 1, T, W]
+        for m in (mask, None):
+            want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=m, enable_gqa=h != kvh)
+            got = few_query_attention(q, k, v, m)
+            assert got.shape == want.shape == (B, h, T, 16)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
