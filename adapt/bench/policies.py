@@ -83,6 +83,11 @@ def _pair(choice: str, out: Path, quick: bool):
     return "tiny", t, d
 
 
+def chat_prompt_limit(length: int) -> int:
+    """The longest chat prompt (tokens) kept for a run whose plain prompts have `length` tokens."""
+    return 4 * length + 256
+
+
 def _prompts(kind: str, engine, n: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
@@ -90,7 +95,7 @@ def _prompts(kind: str, engine, n: int, length: int, seed: int) -> list[list[int
         from workers.training.chat_prompts import make_prompts
         from workers.training.harvest import encode_chats
 
-        out = encode_chats(engine.tokenizer, make_prompts("heldout", 2 * n + 8, seed=seed), 4 * length + 256)
+        out = encode_chats(engine.tokenizer, make_prompts("heldout", 2 * n + 8, seed=seed), chat_prompt_limit(length))
         if len(out) >= n:
             return out[:n]
     if kind == "demo":  # prompts from the held-out stdlib files
@@ -213,8 +218,9 @@ def run(args) -> int:
         else:
             kind, target, drafter = _pair(args.pair, out, args.quick)
         max_c = max(max(cfg["live_loads"]), max(cfg["trace_loads"]))
+        longest = chat_prompt_limit(cfg["prompt_len"]) if kind == "smollm2" else cfg["prompt_len"]
         engine = Engine(EngineConfig(target=target, drafter=drafter, device="auto", dtype="auto", max_batch=max_c,
-                                     max_len=cfg["prompt_len"] + cfg["max_tokens"] + 8))
+                                     max_len=longest + cfg["max_tokens"] + 8))
         prompts = _prompts(kind, engine, 64, cfg["prompt_len"], args.seed)
         log(f"pair {kind}: block {engine.block}, {len(prompts)} prompts")
 

@@ -5,7 +5,8 @@
 #      keeping the hidden states of layers 7, 14, 22, 29 (workers/training/harvest.py; ~20 min)
 #   3. train the drafter on those features: 2 layers, block 16, draft vocabulary 8,192
 #      (workers/training/feature_drafter.py via adapt train-drafter --features)
-#   4. evaluate tau on held-out chat prompts through the engine (workers/training/chat_eval.py)
+#   4. evaluate tau on held-out chat prompts through the engine (workers/training/chat_eval.py; the
+#      shipped eval.json adds s = 1 at T = 1: --steps 1 --temperatures 1, merged by hand)
 #   5. collect traces, fit and benchmark the policy (adapt bench policies), ship policy.json
 #   6. write MANIFEST.json (hashes, commands)
 # RESUME=1 continues an interrupted harvest (finished shards are kept) and training (checkpoint).
@@ -18,11 +19,12 @@ TARGET="$($PY -m adapt.cli pull smollm2)"
 $PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 1536 --batch 64 --shard-rows 256 \
     --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed 0 --out runs/smollm2/harvest
 $PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2/harvest --draft-vocab 8192 \
-    --out models/smollm2/drafter --steps "${STEPS:-400}" --batch 8 --anchors 8 --layers 2 --block-size 16 \
-    --intermediate 1536 --lr 2e-3 --save-every 25 --threads 2 --seed 0 $RESUME_FLAG
-$PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/drafter --prompts 24 \
-    --max-tokens 128 --steps 1 2 4 --temperatures 0 1 --threads 2 --out models/smollm2/drafter/eval.json
-$PY -m adapt.cli bench policies --pair smollm2 --quick --out results/policies-smollm2 --seed 0
+    --out models/smollm2/drafter --steps 1500 --batch 12 --anchors 8 --layers 2 --block-size 16 \
+    --intermediate 1536 --lr 2e-3 --save-every 100 --threads 2 --seed 0 $RESUME_FLAG
+$PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/drafter --prompts 16 \
+    --max-tokens 128 --steps 1 2 4 --temperatures 0 --threads 2 --out models/smollm2/drafter/eval.json
+$PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out models/smollm2/heldout_prompts.jsonl
+$PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies-smollm2 --seed 0
 cp results/policies-smollm2/policy.json models/smollm2/policy.json
 rm -rf models/smollm2/drafter/checkpoint
 $PY -m workers.training.manifest --root models/smollm2 --build models/smollm2/build.sh
