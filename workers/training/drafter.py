@@ -58,6 +58,28 @@ def load_target(path: Path, device: str = "cpu"):
     return target, AutoTokenizer.from_pretrained(path)
 
 
+def optimizer_and_start(drafter, lr: float, steps: int, resume_from: Path | None, gen: torch.Generator,
+                        fused: bool = False):
+    """AdamW (β 0.9 / 0.95, weight decay 0.01) with linear warm-up over 5 % of `steps` and cosine
+    decay to 5 % of `lr`, and the step to start from: 0, or the checkpoint's when `resume_from`
+    exists (model, optimiser, schedule and `gen` restored). A resumed run with another `steps`
+    follows the new schedule from there."""
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01, fused=fused)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    start = 0
+    if resume_from is not None and resume_from.exists():
+        state = torch.load(resume_from, weights_only=True)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        start = state["step"]
+        print(f"resumed at step {start}", flush=True)
+    return opt, sched, start
+
+
 def position_weights(K: int, gamma: float) -> torch.Tensor:
     """w_k = exp(−(k − 1)/γ) for block positions k = 1..K, normalised to mean 1: [K]."""
     w = torch.exp(-torch.arange(K, dtype=torch.float32) / gamma)
@@ -206,19 +228,7 @@ def train(args) -> dict:
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()):,} parameters, "
           f"layers {drafter.config.num_layers}, target layers {drafter.config.target_layer_ids}", flush=True)
     pool, lo = build_pool(args, target, tokenizer, regen_gen, ckpt_dir)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
-    start = 0
-    if args.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        start = state["step"]
-        print(f"resumed at step {start}", flush=True)
+    opt, sched, start = optimizer_and_start(drafter, args.lr, args.steps, ckpt if args.resume else None, gen)
     weights = position_weights(args.block_size, args.gamma)
     log = (args.out / "train_log.jsonl").open("a")
     drafter.train()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from workers.drafter import init_drafter
-from workers.training.drafter import position_weights, sample_known
+from workers.training.drafter import optimizer_and_start, position_weights, sample_known
 from workers.training.harvest import load_shards
 
 
@@ -137,19 +136,8 @@ def train(args) -> dict:
           f"target layers {meta['layers']}", flush=True)
     out = Path(args.out)
     ckpt = out / "checkpoint" / "state.pt"
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
-    start = 0
-    if args.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        start = state["step"]
-        print(f"resumed at step {start}", flush=True)
+    opt, sched, start = optimizer_and_start(drafter, args.lr, args.steps, ckpt if args.resume else None, gen,
+                                            fused=True)
     weights = position_weights(args.block_size, args.gamma)
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "train_log.jsonl").open("a")
