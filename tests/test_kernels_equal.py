@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest
 import torch
 
+from adapt.bench import gpu_check
 from kernels import DEFAULT_PARAMS, Rule, draw_noise, select_commit, verify
 from kernels.reference import positions_reference
 from kernels.verify import _layout, use_triton
@@ -23,24 +24,10 @@ LOSSY_PARAMS = {Rule.EPS_TVD: (0.1, 0.0), Rule.LAMBDA: (0.6, 0.0), Rule.SGLANG: 
 
 
 def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
-    """A ragged batch: drafts drawn from q, q partly aligned with p, fresh noise."""
-    g = torch.Generator().manual_seed(seed)
-    ks = torch.tensor(ks, dtype=torch.int64)
-    batch, n = ks.numel(), int(ks.sum())
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ks.cumsum(0)]).to(torch.int32)
-    logits = torch.randn(n + batch, vocab, generator=g) * 3
-    p = (logits / temperature).softmax(-1)
-    row = torch.repeat_interleave(torch.arange(batch), ks + 1)
-    for r in greedy_rows:                                               # T = 0 rows: one-hot p
-        rows = (row == r).nonzero().squeeze(1)
-        p[rows] = torch.nn.functional.one_hot(p[rows].argmax(-1), vocab).float()
-    is_draft = torch.ones(n + batch, dtype=torch.bool)
-    is_draft[(cu[1:] + torch.arange(batch)).long()] = False
-    q = (close * logits[is_draft] + (1 - close) * torch.randn(n, vocab, generator=g) * 3).softmax(-1)
-    x = torch.multinomial(q, 1, generator=g).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
-    u = torch.rand(n, generator=g)
-    e = torch.empty(n + batch, vocab).exponential_(generator=g)
-    return x, cu, p.contiguous(), q.contiguous(), u, e
+    """A ragged batch (`adapt.bench.gpu_check.make_batch`, which the GPU check uses too) as the
+    tuple x, cu, p, q, u, e: drafts drawn from q, q partly aligned with p, fresh noise."""
+    batch = gpu_check.make_batch(ks, vocab, seed, temperature, greedy_rows, close)
+    return tuple(batch[k] for k in ("x", "cu", "p", "q", "u", "e"))
 
 
 def rule_tensors(rules):

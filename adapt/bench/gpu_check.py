@@ -94,7 +94,7 @@ def resolve_pair(name: str, target: str | None, drafter: str | None) -> tuple[st
 
 # -- (1) kernels ----------------------------------------------------------------------------------
 def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
-    """A ragged batch on CPU (as tests/test_kernels_equal.py builds it): drafts drawn from q, q partly
+    """A ragged batch on CPU (tests/test_kernels_equal.py uses it too): drafts drawn from q, q partly
     aligned with p (`close`), rows in `greedy_rows` with one-hot p (T = 0), fresh Exp(1) noise."""
     import torch
 
