@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers.pairs import DEFAULT_PAIR, PAIRS
+from adapt.commands import add_pair_arguments
 from workers.request import COMPILE_CHOICES
 
 
@@ -73,11 +73,7 @@ RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("speed", help="tokens/s of our engine vs transformers and vLLM (CPU)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
-                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
-    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
-    p.add_argument("--drafter", default=None, help="drafter directory (default: the pair's; 'none' = no drafter)")
-    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
+    add_pair_arguments(p)
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
     p.add_argument("--dtype", default="auto", help="auto (fastest on the device: bfloat16 on CPU) | float32 | bfloat16 | float16")

@@ -19,3 +19,17 @@ def optional_module(name: str) -> ModuleType | None:
         if exc.name == name:
             return None
         raise
+
+
+def add_pair_arguments(p) -> None:
+    """`--pair`, `--target`, `--drafter` and `--cache-dir`: the models a command runs
+    (`workers.pairs.resolve_models` reads them)."""
+    from workers.pairs import DEFAULT_PAIR, PAIRS
+
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
+                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
+    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
+                        "'none' = autoregressive")
+    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from workers.pairs import DEFAULT_PAIR, PAIRS
+from adapt.commands import add_pair_arguments
 from workers.request import COMPILE_CHOICES
 
 
@@ -31,13 +31,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --chat MESSAGE)")
     p.add_argument("--chat", default=None, metavar="MESSAGE",
                    help="a user message, rendered with the target's chat template; stops at its end-of-turn token")
-    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
-                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
-    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
-    p.add_argument("--drafter", default=None,
-                   help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
-                        "'none' = autoregressive")
-    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
+    add_pair_arguments(p)
     p.add_argument("--policy", default="auto", choices=["auto", "adaptive", "static"],
                    help="who picks s, k and the rule on every pass: 'adaptive' = the adaptive policy with the "
                         "pair's fitted policy file and a cost model profiled on this engine at start (what "

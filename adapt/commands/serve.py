@@ -14,19 +14,13 @@ import sys
 from pathlib import Path
 
 from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
-from workers.pairs import DEFAULT_PAIR, PAIRS
+from adapt.commands import add_pair_arguments
 from workers.request import COMPILE_CHOICES
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (Ray workers + controller)")
-    p.add_argument("--pair", default=DEFAULT_PAIR, choices=PAIRS,
-                   help=f"named model pair (default {DEFAULT_PAIR}; workers/pairs.py)")
-    p.add_argument("--target", default=None, help="target model directory (default: the pair's)")
-    p.add_argument("--drafter", default=None,
-                   help="drafter directory (default: the pair's, if it has one and the target is the pair's); "
-                        "'none' = autoregressive")
-    p.add_argument("--cache-dir", default=None, help="where pulled models live (default: $ADAPT_CACHE_DIR or ~/.cache/adapt)")
+    add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Ray actors)")
