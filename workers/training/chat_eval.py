@@ -50,6 +50,7 @@ def evaluate(target: Path, drafter: Path, count: int, max_tokens: int, steps: li
              dtype: str = "bfloat16", batch: int = 8, seed: int = 0) -> dict:
     from transformers import AutoTokenizer
 
+    from workers.chat import stop_ids
     from workers.engine import Engine, EngineConfig
     from workers.training.chat_prompts import make_prompts
     from workers.training.harvest import encode_chats
@@ -57,7 +58,7 @@ def evaluate(target: Path, drafter: Path, count: int, max_tokens: int, steps: li
     tok = AutoTokenizer.from_pretrained(str(target))
     prompts = encode_chats(tok, make_prompts("heldout", count * 2, seed=seed), 512)[:count]
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=dtype, max_batch=batch, max_len=1024))
-    stop = tuple(t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0)
+    stop = stop_ids(tok, chat=True)
     results = [run_prompts(engine, prompts, max_tokens, s, t, seed, stop) for t in temperatures for s in steps]
     return {"target": str(target), "drafter": str(drafter), "dtype": dtype, "batch": batch,
             "max_tokens": max_tokens, "block_size": engine.block, "results": results}

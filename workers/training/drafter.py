@@ -80,6 +80,21 @@ def optimizer_and_start(drafter, lr: float, steps: int, resume_from: Path | None
     return opt, sched, start
 
 
+def update_and_log(drafter, opt, sched, loss: torch.Tensor, stats: dict, step: int, steps: int, bar, log) -> None:
+    """One optimiser update (gradients clipped to norm 1), the progress bar, and every 10th step's
+    stats as a JSON line of `log`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    stats = {"step": step + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()}}
+    bar.set_postfix(loss=stats["loss"], lead=stats["lead_s1"])
+    if step % 10 == 0 or step + 1 == steps:
+        log.write(json.dumps(stats) + "\n")
+        log.flush()
+
+
 def position_weights(K: int, gamma: float) -> torch.Tensor:
     """w_k = exp(−(k − 1)/γ) for block positions k = 1..K, normalised to mean 1: [K]."""
     w = torch.exp(-torch.arange(K, dtype=torch.float32) / gamma)
@@ -242,16 +257,7 @@ def train(args) -> dict:
         known = sample_known(args.batch, anchors.shape[1], args.block_size, gen)
         loss, stats = drafter_loss(drafter, target, seqs, anchors, known, weights, args.tv_weight, autocast,
                                    compile=not args.no_compile)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        stats = {"step": step + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()}}
-        bar.set_postfix(loss=stats["loss"], lead=stats["lead_s1"])
-        if step % 10 == 0 or step + 1 == args.steps:
-            log.write(json.dumps(stats) + "\n")
-            log.flush()
+        update_and_log(drafter, opt, sched, loss, stats, step, args.steps, bar, log)
         stopping = args.stop_after and step + 1 - start >= args.stop_after
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stopping:
             ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from workers.drafter import init_drafter
-from workers.training.drafter import optimizer_and_start, position_weights, sample_known
+from workers.training.drafter import optimizer_and_start, position_weights, sample_known, update_and_log
 from workers.training.harvest import load_shards
 
 
@@ -42,8 +42,7 @@ def draft_vocabulary(tokens: torch.Tensor, answer: torch.Tensor, end: torch.Tens
     for t in always:
         counts[t] = counts.max() + 1
     ids = counts.topk(min(size, len(counts))).indices.sort().values
-    return ids, float(counts[ids].sum() / inside.sum()) if not always else float(
-        torch.isin(tokens[inside].long(), ids).float().mean())
+    return ids, float(torch.isin(tokens[inside].long(), ids).float().mean())
 
 
 def target_parts(target_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[object, nn.Embedding, nn.Linear]:
@@ -150,16 +149,7 @@ def train(args) -> dict:
         anchors = sample_batch(data, rows, args.anchors, args.block_size, gen)
         known = sample_known(args.batch, args.anchors, args.block_size, gen)
         loss, stats = feature_loss(drafter, data, rows, anchors, known, weights, t2d, not args.fp32)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        stats = {"step": step + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in stats.items()}}
-        bar.set_postfix(loss=stats["loss"], lead=stats["lead_s1"])
-        if step % 10 == 0 or step + 1 == args.steps:
-            log.write(json.dumps(stats) + "\n")
-            log.flush()
+        update_and_log(drafter, opt, sched, loss, stats, step, args.steps, bar, log)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),

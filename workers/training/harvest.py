@@ -34,13 +34,10 @@ from workers.training.chat_prompts import make_prompts
 
 def encode_chats(tokenizer, conversations: list[list[dict]], max_prompt: int) -> list[list[int]]:
     """Chat-templated prompt ids; conversations longer than `max_prompt` tokens are dropped."""
-    out = []
-    for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        if len(ids) <= max_prompt:
-            out.append(list(ids))
-    return out
+    from workers.chat import chat_prompt_ids
+
+    prompts = (chat_prompt_ids(tokenizer, messages) for messages in conversations)
+    return [ids for ids in prompts if len(ids) <= max_prompt]
 
 
 @torch.no_grad()
