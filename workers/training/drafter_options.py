@@ -14,9 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-data", nargs="*", default=None,
                    help="held-out text for the final evaluation (default: the stdlib held-out split)")
     p.add_argument("--regenerate", action="store_true", help="train on the target's own continuations")
-    p.add_argument("--features", type=Path, default=None,
-                   help="train on a harvest directory instead (the target's answers and hidden states, "
-                        "workers.training.harvest): no target forward while training")
+    p.add_argument("--features", type=Path, nargs="+", default=None,
+                   help="train on harvest directories instead (the target's answers and hidden states, "
+                        "workers.training.harvest), concatenated: no target forward while training")
+    p.add_argument("--init", type=Path, default=None,
+                   help="with --features: warm start from this drafter directory (its shape and draft vocabulary)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="with --features: a reduced draft vocabulary of the N most frequent answer tokens (0 = all)")
     p.add_argument("--sample-frac", type=float, default=0.25,

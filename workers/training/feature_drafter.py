@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workers.drafter import init_drafter
+from workers.drafter import init_drafter, load_drafter
 from workers.training.drafter import optimizer_and_start, position_weights, sample_known, update_and_log
 from workers.training.harvest import load_shards
 
@@ -43,6 +43,13 @@ def draft_vocabulary(tokens: torch.Tensor, answer: torch.Tensor, end: torch.Tens
         counts[t] = counts.max() + 1
     ids = counts.topk(min(size, len(counts))).indices.sort().values
     return ids, float(torch.isin(tokens[inside].long(), ids).float().mean())
+
+
+def coverage_of(data: dict, ids: torch.Tensor) -> float:
+    """Share of answer tokens inside the draft vocabulary `ids`."""
+    cols = torch.arange(data["tokens"].shape[1])
+    inside = (cols >= data["answer"][:, None]) & (cols < data["end"][:, None])
+    return float(torch.isin(data["tokens"][inside].long(), ids).float().mean())
 
 
 def target_parts(target_dir: Path, dtype: torch.dtype = torch.float32) -> tuple[object, nn.Embedding, nn.Linear]:
@@ -127,10 +134,24 @@ def train(args) -> dict:
     t2d[ids] = torch.arange(len(ids))
     print(f"data: {len(data['tokens'])} rows, draft vocabulary {len(ids)} covers {coverage:.1%} of answer tokens",
           flush=True)
-    drafter = init_drafter(hf, embed, lm_head, seed=args.seed, num_layers=args.layers,
-                           draft_ids=ids if len(ids) < hf.vocab_size else None,
-                           block_size=args.block_size, target_layer_ids=meta["layers"],
-                           intermediate_size=args.intermediate)
+    init = getattr(args, "init", None)
+    if init is not None:  # warm start: the init drafter's shape and draft vocabulary win
+        drafter = load_drafter(init, hf)
+        drafter.bind(embed, lm_head)
+        if drafter.config.target_layer_ids != list(meta["layers"]):
+            raise ValueError(f"--init {init} reads target layers {drafter.config.target_layer_ids}, "
+                             f"the harvest has {meta['layers']}")
+        if drafter.config.draft_vocab_size:
+            ids = drafter.draft_ids.clone()
+            t2d.fill_(-1)
+            t2d[ids] = torch.arange(len(ids))
+            print(f"warm start from {init}: its draft vocabulary covers "
+                  f"{coverage_of(data, ids):.1%} of these answer tokens", flush=True)
+    else:
+        drafter = init_drafter(hf, embed, lm_head, seed=args.seed, num_layers=args.layers,
+                               draft_ids=ids if len(ids) < hf.vocab_size else None,
+                               block_size=args.block_size, target_layer_ids=meta["layers"],
+                               intermediate_size=args.intermediate)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()):,} parameters, layers {args.layers}, "
           f"target layers {meta['layers']}", flush=True)
     out = Path(args.out)
@@ -167,7 +188,10 @@ def train(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="the target's HF directory (embedding, LM head, config)")
-    p.add_argument("--data", type=Path, required=True, help="a harvest directory (workers.training.harvest)")
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="harvest directories (workers.training.harvest), concatenated")
+    p.add_argument("--init", type=Path, default=None,
+                   help="warm start from this drafter directory (its shape and draft vocabulary)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch", type=int, default=16)

@@ -139,13 +139,24 @@ def harvest(args) -> dict:
     return meta
 
 
-def load_shards(directory: Path) -> dict[str, torch.Tensor]:
-    """All shards of a harvest directory, concatenated (features stay bf16)."""
+def load_shards(directories) -> dict[str, torch.Tensor]:
+    """All shards of one or more harvest directories, concatenated (features stay bf16).
+
+    Several directories (e.g. harvests with different seeds) must share layers and seq_len; the
+    returned `meta` is the first one's, with `rows` summed and `sources` listing every directory."""
     from safetensors.torch import load_file
 
-    meta = json.loads((Path(directory) / "harvest.json").read_text())
-    parts = [load_file(str(Path(directory) / name)) for name in meta["shards"]]
+    dirs = [Path(directories)] if isinstance(directories, (str, Path)) else [Path(d) for d in directories]
+    metas = [json.loads((d / "harvest.json").read_text()) for d in dirs]
+    for d, m in zip(dirs[1:], metas[1:]):
+        for key in ("layers", "seq_len"):
+            if m[key] != metas[0][key]:
+                raise ValueError(f"harvest {d}: {key} = {m[key]} but {dirs[0]} has {metas[0][key]}")
+    parts = [load_file(str(d / name)) for d, m in zip(dirs, metas) for name in m["shards"]]
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    meta = dict(metas[0])
+    meta["rows"] = sum(m["rows"] for m in metas)
+    meta["sources"] = [str(d) for d in dirs]
     data["meta"] = meta
     return data
 
