@@ -62,7 +62,7 @@ def test_metrics_render_as_prometheus_text():
     ])
     c.observe_step(7.5)
     c.observe_request("length", {"met": True, "latency_met": True, "quality_met": True})
-    text = render_metrics({"w0": {"waiting": 2, "running": 3, "counters": c.snapshot()}}, {"adapt_workers_live": 1})
+    text = render_metrics({"w0": {"waiting": 2, "running": 3, "counters": c.snapshot()}})
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     value = lambda name, **labels: next(s.value for s in fams[name].samples  # noqa: E731
                                         if all(s.labels.get(k) == v for k, v in labels.items()))
@@ -73,7 +73,59 @@ def test_metrics_render_as_prometheus_text():
     assert value("adapt_decisions", lever="rule", value="eps_tvd") == 1
     assert value("adapt_tvd_spent") == pytest.approx(0.04)
     assert value("adapt_queue_depth") == 2 and value("adapt_sla_attainment") == 1.0
-    assert value("adapt_step_time_ms", le="10.0") == 1
+    assert value("adapt_step_time_ms", le="10.0") == 1 and value("adapt_step_time_ms", le="5.0") == 0
+    assert value("adapt_workers_live") == 1
+    assert {s.name: s.value for s in fams["adapt_step_time_ms"].samples
+            if s.name != "adapt_step_time_ms_bucket"} == {"adapt_step_time_ms_count": 1, "adapt_step_time_ms_sum": 7.5}
+    assert fams["adapt_drafts"].type == "counter" and fams["adapt_tau"].type == "gauge"
+
+
+def test_metrics_route_per_app_registry_and_openmetrics():
+    """Each app renders /metrics from its own registry (two apps in one process do not mix, and
+    prometheus-client's global registry stays untouched); an OpenMetrics scraper gets OpenMetrics."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import REGISTRY
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from adapt.serving.http_app import build_app
+    from adapt.serving.limits import Limits
+
+    class Loads:
+        def __init__(self, loads):
+            self._loads = loads
+
+        async def loads(self):
+            return self._loads
+
+        def stream(self, request):
+            raise AssertionError("no generation in this test")
+
+    c = WorkerCounters()
+    c.observe_traces([{"steps": 1, "draft_len": 2, "accepted": 1, "accept_flags": [1, 0], "rule": 0}])
+    one = TestClient(build_app(Loads({"w0": {"waiting": 1, "running": 0, "counters": c.snapshot()}}),
+                               limits=Limits(max_running=2, max_queue=1)))
+    two = TestClient(build_app(Loads({})))
+
+    def values(client, **headers):
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 200
+        return r, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+    r1, v1 = values(one)
+    _, v2 = values(two)
+    assert r1.headers["content-type"].startswith("text/plain")
+    assert v1[("adapt_workers_live", ())] == 1 and v2[("adapt_workers_live", ())] == 0
+    assert v1[("adapt_drafts_total", (("worker", "w0"),))] == 1 and ("adapt_drafts_total", (("worker", "w0"),)) not in v2
+    assert v1[("adapt_ingress_capacity", ())] == 3 and v2[("adapt_ingress_capacity", ())] == -1
+    assert v1[("adapt_ingress_rejected_total", (("reason", "queue_full"),))] == 0
+    assert not any(name.startswith("adapt_") for name in REGISTRY._names_to_collectors)
+
+    r = one.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text") and r.text.endswith("# EOF\n")
+    fams = {f.name: f for f in parse_openmetrics(r.text)}
+    assert fams["adapt_drafts"].type == "counter" and fams["adapt_step_time_ms"].type == "histogram"
 
 
 def test_router_picks_the_least_loaded_live_worker():

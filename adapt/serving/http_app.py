@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,7 +33,7 @@ from adapt.serving.auth import ApiKeys
 
 from adapt.serving.headers import ApiError, _field_path, parse_targets, validation_error
 from adapt.serving.limits import Admission, Guard, Limits
-from adapt.serving.metrics import CONTENT_TYPE, render_metrics
+from adapt.serving.metrics import MetricsExporter
 from adapt.serving.schemas import ChatRequest, CompletionRequest
 from adapt.targets import ServerDefaults
 
@@ -84,6 +84,8 @@ def build_app(backend: Backend, model_name: str = "adapt-demo",
     app.state.backend = backend
     admission = Admission(limits or Limits())
     app.state.admission = admission
+    exporter = MetricsExporter(admission)  # this app's own CollectorRegistry
+    app.state.metrics = exporter
     app.add_middleware(Guard, keys=api_keys or ApiKeys(), admission=admission)
 
     @app.exception_handler(StarletteHTTPException)
@@ -262,10 +264,9 @@ def build_app(backend: Backend, model_name: str = "adapt-demo",
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        loads = await backend.loads()
-        text = render_metrics(loads, extra={"adapt_workers_live": len(loads)}) + admission.prometheus()
-        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+    async def metrics(request: Request):
+        body, content_type = exporter.render(await backend.loads(), request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     return app
 

@@ -16,7 +16,7 @@ this order, and answers in OpenAI's error shape:
 
 An admitted request holds its place until its response has been sent in full (a stream until
 its last event, or until the client disconnects). The ingress's own counts appear in
-``/health`` (``ingress``) and ``/metrics`` (`Admission.prometheus`).
+``/health`` (``ingress``) and ``/metrics`` (`adapt.serving.metrics.IngressCollector`).
 """
 
 from __future__ import annotations
@@ -107,22 +107,6 @@ class Admission:
         return {"in_flight": self.in_flight, "waiting": self.waiting, "capacity": self.capacity,
                 "max_queue": self.limits.max_queue, "peak": self.peak, "admitted": self.admitted,
                 "rejected": dict(self.rejected)}
-
-    def prometheus(self) -> str:
-        """The ingress's counters as Prometheus text (appended to ``/metrics``)."""
-        from adapt.serving.metrics import _series
-
-        lines: list[str] = []
-        _series(lines, "adapt_ingress_requests", "gauge", "Generation requests held by this ingress.",
-                [({"state": "in_flight"}, self.in_flight), ({"state": "waiting"}, self.waiting)])
-        _series(lines, "adapt_ingress_capacity", "gauge",
-                "Generation requests this ingress holds at most (max_running + max_queue; -1 = unbounded).",
-                [({}, -1 if self.capacity is None else self.capacity)])
-        _series(lines, "adapt_ingress_admitted_total", "counter", "Generation requests admitted.",
-                [({}, self.admitted)])
-        _series(lines, "adapt_ingress_rejected_total", "counter", "Requests refused before decoding, by reason.",
-                [({"reason": r}, n) for r, n in sorted(self.rejected.items())])
-        return "\n".join(lines).replace("{}", "") + "\n"
 
 
 async def _send_json(send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:

@@ -6,6 +6,12 @@ with the worker's heartbeat into the state store, and ``GET /metrics`` renders e
 worker's snapshot with a ``worker`` label, so the numbers are the same whichever process serves
 the HTTP request (and a Ray Serve deployment needs no extra plumbing).
 
+The exposition is prometheus-client's: `DecoderCollector` turns the snapshots into metric
+families at scrape time, `IngressCollector` adds one ingress's admission counts, and each app
+holds them in its own `CollectorRegistry` (`MetricsExporter`; never the process-global registry,
+so several apps can live in one process). The format follows the scraper's ``Accept`` header
+(Prometheus text, or OpenMetrics).
+
 Words: a *draft* is one row's drafted block in one step (diffusion steps ``s > 0``); *draft
 tokens* are the tokens sent to verification (``draft_len``); τ (tokens per target pass) is
 ``emitted / passes`` where a row emits ``accepted + 1`` tokens per step.
@@ -13,12 +19,19 @@ tokens* are the tokens sent to verification (``draft_len``); τ (tokens per targ
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-__all__ = ["WorkerCounters", "STEP_BUCKETS_MS", "render_metrics", "CONTENT_TYPE"]
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["WorkerCounters", "STEP_BUCKETS_MS", "DecoderCollector", "IngressCollector", "MetricsExporter",
+           "render_metrics"]
+
 STEP_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 RULE_NAMES = {0: "greedy", 1: "rejection", 2: "match", 3: "eps_tvd", 4: "lambda", 5: "sglang", 6: "typical"}
 
@@ -106,82 +119,146 @@ class WorkerCounters:
             return json.loads(json.dumps(self._c))
 
 
-def _series(lines: list[str], name: str, kind: str, help_text: str,
-            samples: Iterable[tuple[dict[str, str], float]], suffix: str = "") -> None:
-    lines.append(f"# HELP {name} {help_text}")
-    lines.append(f"# TYPE {name} {kind}")
-    for labels, value in samples:
-        label_text = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
-        lines.append(f"{name}{suffix}{{{label_text}}} {float(value):.10g}")
+class DecoderCollector(Collector):
+    """The workers' counters as Prometheus metric families, from the load records most recently
+    handed to `set_loads` (each with its ``counters`` snapshot, `WorkerCounters.snapshot`)."""
+
+    def __init__(self) -> None:
+        self._loads: dict[str, dict[str, Any]] = {}
+
+    def set_loads(self, loads: dict[str, dict[str, Any]]) -> None:
+        self._loads = dict(loads)
+
+    def collect(self) -> Iterator[Metric]:
+        ws = sorted(self._loads.items())
+        cs = [(w, load.get("counters") or {}) for w, load in ws]
+
+        def per_worker(family: CounterMetricFamily | GaugeMetricFamily, values) -> Metric:
+            for w, v in values:
+                family.add_metric([w], float(v))
+            return family
+
+        for name, help_text, key in _SIMPLE_COUNTERS:
+            yield per_worker(CounterMetricFamily(name, help_text, labels=["worker"]),
+                             [(w, c.get(key, 0)) for w, c in cs])
+        yield per_worker(GaugeMetricFamily("adapt_tau", "Tokens per target pass since start (accepted + 1 averaged).",
+                                           labels=["worker"]),
+                         [(w, c.get("emitted_tokens", 0) / c["passes"] if c.get("passes") else 0.0) for w, c in cs])
+        for name, help_text, key in (
+                ("adapt_accepted_per_position", "Accepted draft tokens at each draft position (0 = first).",
+                 "accepted_per_position"),
+                ("adapt_verified_per_position", "Draft tokens verified at each draft position (0 = first).",
+                 "verified_per_position")):
+            fam = CounterMetricFamily(name, help_text, labels=["worker", "position"])
+            for w, c in cs:
+                for i, v in enumerate(c.get(key, [])):
+                    fam.add_metric([w, str(i)], float(v))
+            yield fam
+        fam = CounterMetricFamily("adapt_decisions",
+                                  "Per-row decisions by lever (steps, draft_len, rule) and chosen value.",
+                                  labels=["worker", "lever", "value"])
+        for w, c in cs:
+            for lever, table in sorted((c.get("decisions") or {}).items()):
+                for value, n in sorted(table.items()):
+                    fam.add_metric([w, lever, value], float(n))
+        yield fam
+        fam = CounterMetricFamily("adapt_requests_finished", "Finished requests by finish reason.",
+                                  labels=["worker", "reason"])
+        for w, c in cs:
+            for reason, n in sorted((c.get("requests") or {}).items()):
+                fam.add_metric([w, reason], float(n))
+        yield fam
+        fam = CounterMetricFamily("adapt_sla_requests", "Requests with targets, and those whose SLA was met.",
+                                  labels=["worker", "target", "outcome"])
+        for w, c in cs:
+            s = c.get("sla") or {}
+            for kind, total_key, met_key in (("all", "total", "met"), ("latency", "latency_total", "latency_met"),
+                                             ("quality", "quality_total", "quality_met")):
+                fam.add_metric([w, kind, "total"], float(s.get(total_key, 0)))
+                fam.add_metric([w, kind, "met"], float(s.get(met_key, 0)))
+        yield fam
+        yield per_worker(GaugeMetricFamily("adapt_sla_attainment", "Fraction of requests with targets that met them.",
+                                           labels=["worker"]),
+                         [(w, (c.get("sla") or {}).get("met", 0) / max(1, (c.get("sla") or {}).get("total", 0)))
+                          for w, c in cs])
+        yield per_worker(GaugeMetricFamily("adapt_queue_depth", "Requests waiting for a batch slot.", labels=["worker"]),
+                         [(w, load.get("waiting", 0)) for w, load in ws])
+        yield per_worker(GaugeMetricFamily("adapt_running_requests", "Requests in the running batch.",
+                                           labels=["worker"]),
+                         [(w, load.get("running", 0)) for w, load in ws])
+        fam = HistogramMetricFamily("adapt_step_time_ms", "Engine step wall time in milliseconds.", labels=["worker"])
+        bounds = [*(floatToGoString(b) for b in STEP_BUCKETS_MS), "+Inf"]
+        for w, c in cs:
+            counts = c.get("step_ms_buckets") or [0] * (len(STEP_BUCKETS_MS) + 1)
+            fam.add_metric([w], list(zip(bounds, (float(n) for n in itertools.accumulate(counts)))),
+                           sum_value=float(c.get("step_ms_sum", 0.0)))
+        yield fam
+        yield GaugeMetricFamily("adapt_workers_live", "Workers with a live heartbeat in the state store.",
+                                value=float(len(ws)))
 
 
-def _esc(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+_SIMPLE_COUNTERS = (  # (name without _total, help, key of the counters snapshot)
+    ("adapt_drafts", "Drafted blocks (rows with diffusion steps > 0).", "drafts"),
+    ("adapt_draft_tokens", "Draft tokens sent to verification.", "draft_tokens"),
+    ("adapt_accepted_tokens", "Draft tokens accepted.", "accepted_tokens"),
+    ("adapt_emitted_tokens", "Tokens emitted (accepted + 1 per row per step).", "emitted_tokens"),
+    ("adapt_target_passes", "Row-steps verified by the target (τ denominator).", "passes"),
+    ("adapt_tvd_spent", "Total-variation distance spent by lossy rules.", "tvd_spent"),
+    ("adapt_trace_records_dropped", "Trace records not delivered to the store.", "trace_records_dropped"),
+)
 
 
-def render_metrics(loads: dict[str, dict[str, Any]], extra: dict[str, float] | None = None) -> str:
-    """Prometheus text exposition of every live worker's load record (``counters`` inside).
+class IngressCollector(Collector):
+    """One ingress's admission counts (`adapt.serving.limits.Admission.snapshot`)."""
 
-    `extra`: server-level gauges (name -> value), e.g. ``adapt_workers_live``.
-    """
-    lines: list[str] = []
-    ws = sorted(loads.items())
-    cs = [(w, load.get("counters") or {}) for w, load in ws]
+    def __init__(self, admission: Any) -> None:
+        self.admission = admission
 
-    def simple(name: str, kind: str, help_text: str, key: str) -> None:
-        _series(lines, name, kind, help_text, [({"worker": w}, c.get(key, 0)) for w, c in cs])
+    def collect(self) -> Iterator[Metric]:
+        snap = self.admission.snapshot()
+        fam = GaugeMetricFamily("adapt_ingress_requests", "Generation requests held by this ingress.",
+                                labels=["state"])
+        fam.add_metric(["in_flight"], float(snap["in_flight"]))
+        fam.add_metric(["waiting"], float(snap["waiting"]))
+        yield fam
+        capacity = snap["capacity"]
+        yield GaugeMetricFamily("adapt_ingress_capacity", "Generation requests this ingress holds at most "
+                                "(max_running + max_queue; -1 = unbounded).",
+                                value=-1.0 if capacity is None else float(capacity))
+        yield CounterMetricFamily("adapt_ingress_admitted", "Generation requests admitted.",
+                                  value=float(snap["admitted"]))
+        fam = CounterMetricFamily("adapt_ingress_rejected", "Requests refused before decoding, by reason.",
+                                  labels=["reason"])
+        for reason, n in sorted(snap["rejected"].items()):
+            fam.add_metric([reason], float(n))
+        yield fam
 
-    simple("adapt_drafts_total", "counter", "Drafted blocks (rows with diffusion steps > 0).", "drafts")
-    simple("adapt_draft_tokens_total", "counter", "Draft tokens sent to verification.", "draft_tokens")
-    simple("adapt_accepted_tokens_total", "counter", "Draft tokens accepted.", "accepted_tokens")
-    simple("adapt_emitted_tokens_total", "counter", "Tokens emitted (accepted + 1 per row per step).", "emitted_tokens")
-    simple("adapt_target_passes_total", "counter", "Row-steps verified by the target (τ denominator).", "passes")
-    simple("adapt_tvd_spent_total", "counter", "Total-variation distance spent by lossy rules.", "tvd_spent")
-    simple("adapt_trace_records_dropped_total", "counter", "Trace records not delivered to the store.",
-           "trace_records_dropped")
-    _series(lines, "adapt_tau", "gauge", "Tokens per target pass since start (accepted + 1 averaged).",
-            [({"worker": w}, c.get("emitted_tokens", 0) / c["passes"] if c.get("passes") else 0.0) for w, c in cs])
-    _series(lines, "adapt_accepted_per_position_total", "counter",
-            "Accepted draft tokens at each draft position (0 = first).",
-            [({"worker": w, "position": str(i)}, v) for w, c in cs
-             for i, v in enumerate(c.get("accepted_per_position", []))])
-    _series(lines, "adapt_verified_per_position_total", "counter",
-            "Draft tokens verified at each draft position (0 = first).",
-            [({"worker": w, "position": str(i)}, v) for w, c in cs
-             for i, v in enumerate(c.get("verified_per_position", []))])
-    _series(lines, "adapt_decisions_total", "counter",
-            "Per-row decisions by lever (steps, draft_len, rule) and chosen value.",
-            [({"worker": w, "lever": lever, "value": value}, n) for w, c in cs
-             for lever, table in sorted((c.get("decisions") or {}).items()) for value, n in sorted(table.items())])
-    _series(lines, "adapt_requests_finished_total", "counter", "Finished requests by finish reason.",
-            [({"worker": w, "reason": r}, n) for w, c in cs for r, n in sorted((c.get("requests") or {}).items())])
-    sla_rows = []
-    for w, c in cs:
-        s = c.get("sla") or {}
-        for kind, total_key, met_key in (("all", "total", "met"), ("latency", "latency_total", "latency_met"),
-                                         ("quality", "quality_total", "quality_met")):
-            sla_rows.append(({"worker": w, "target": kind, "outcome": "total"}, s.get(total_key, 0)))
-            sla_rows.append(({"worker": w, "target": kind, "outcome": "met"}, s.get(met_key, 0)))
-    _series(lines, "adapt_sla_requests_total", "counter", "Requests with targets, and those whose SLA was met.", sla_rows)
-    _series(lines, "adapt_sla_attainment", "gauge", "Fraction of requests with targets that met them.",
-            [({"worker": w}, (c.get("sla") or {}).get("met", 0) / max(1, (c.get("sla") or {}).get("total", 0)))
-             for w, c in cs])
-    _series(lines, "adapt_queue_depth", "gauge", "Requests waiting for a batch slot.",
-            [({"worker": w}, load.get("waiting", 0)) for w, load in ws])
-    _series(lines, "adapt_running_requests", "gauge", "Requests in the running batch.",
-            [({"worker": w}, load.get("running", 0)) for w, load in ws])
-    # step time histogram (ms)
-    lines.append("# HELP adapt_step_time_ms Engine step wall time in milliseconds.")
-    lines.append("# TYPE adapt_step_time_ms histogram")
-    for w, c in cs:
-        buckets = c.get("step_ms_buckets") or [0] * (len(STEP_BUCKETS_MS) + 1)
-        running = 0
-        for bound, n in zip([*(str(float(b)) for b in STEP_BUCKETS_MS), "+Inf"], buckets):
-            running += n
-            lines.append(f'adapt_step_time_ms_bucket{{worker="{_esc(w)}",le="{bound}"}} {running}')
-        lines.append(f'adapt_step_time_ms_sum{{worker="{_esc(w)}"}} {float(c.get("step_ms_sum", 0.0)):.10g}')
-        lines.append(f'adapt_step_time_ms_count{{worker="{_esc(w)}"}} {int(c.get("steps", 0))}')
-    for name, value in sorted((extra or {}).items()):
-        lines.append(f"# TYPE {name} gauge")
-        lines.append(f"{name} {float(value):.10g}")
-    return "\n".join(lines) + "\n"
+
+class MetricsExporter:
+    """One app's ``/metrics``: its own `CollectorRegistry` (never prometheus-client's global one,
+    so several apps can live in one process) holding the workers' counters and, when given, the
+    ingress's admission counts."""
+
+    def __init__(self, admission: Any | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.decoders = DecoderCollector()
+        self.registry.register(self.decoders)
+        if admission is not None:
+            self.registry.register(IngressCollector(admission))
+        self._lock = threading.Lock()
+
+    def render(self, loads: dict[str, dict[str, Any]], accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition of `loads` (the live workers' load records) in the format the ``Accept``
+        header `accept` asks for (Prometheus text by default, or OpenMetrics); returns the body and
+        its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        with self._lock:  # a scrape from another thread must not see this one's loads
+            self.decoders.set_loads(loads)
+            return encoder(self.registry), content_type
+
+
+def render_metrics(loads: dict[str, dict[str, Any]]) -> str:
+    """Prometheus text exposition of every live worker's load record (``counters`` inside),
+    through a registry of its own."""
+    body, _ = MetricsExporter().render(loads)
+    return body.decode()
