@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from kernels import Rule
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.decisions import StaticDecisions, VerifyDecision
+from workers.decisions import SUFFIX, StaticDecisions, VerifyDecision
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -54,6 +54,7 @@ def knob_matrix():
         for order in ("confidence", "left-to-right"):
             for k in (1, 4, 16):
                 knobs.append(DecodeKnobs(steps=s, draft_len=k, commit_order=order))
+    knobs += [DecodeKnobs(draft_len=k, source="suffix") for k in (2, 16)]  # suffix drafts in the same batch
     return knobs
 
 
@@ -78,16 +79,21 @@ def test_greedy_matrix_matches_transformers(pair):
     assert outs["r0:stats"]["tau"] == 1.0 and outs["r0:stats"]["target_passes"] == MAX_TOKENS
     if vocab == 16:  # the accept paths really ran
         assert accepted >= 3
+        suffix_rows = [i for i, kn in enumerate(knobs) if kn.source == "suffix"]
+        assert sum(outs[f"r{i}:stats"]["accepted"] for i in suffix_rows) >= 3
 
 
 class RandomKnobs(StaticDecisions):
-    """Changes every row's steps, draft length and rule every step (seeded)."""
+    """Changes every row's source, steps, draft length and rule every step (seeded); reads suffix
+    drafts, so SUFFIX rows draft wherever a suffix draft exists."""
+
+    reads_suffix = True
 
     def __init__(self, seed=0):
         self.rng = random.Random(seed)
 
     def choose_steps(self, rows):
-        return torch.tensor([self.rng.choice([0, 1, 2, 3, 4]) for _ in range(rows.batch_size)])
+        return torch.tensor([self.rng.choice([SUFFIX, 0, 1, 2, 3, 4]) for _ in range(rows.batch_size)])
 
     def choose_verify(self, rows, draft):
         B = rows.batch_size

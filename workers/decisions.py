@@ -1,7 +1,12 @@
 """The decision interface between the engine and whoever chooses the knobs (contracts §5).
 
 Every engine step asks a `DecisionMaker` twice per row:
-1. `choose_steps(rows)`: diffusion steps `s` (0 = do not draft, decode autoregressively);
+1. `choose_steps(rows)`: the draft source and diffusion steps, one integer per row: `s` > 0 =
+   draft with the diffusion drafter in `s` passes; 0 = do not draft (decode autoregressively);
+   `SUFFIX` (-1) = take the row's suffix draft (workers/suffix.py; free, a point mass, verified
+   with exact rules only). `rows.suffix_len / suffix_score / suffix_match` describe each row's
+   suffix draft when the engine has a suffix drafter and the decision maker reads them
+   (``reads_suffix = True``) or a row's knobs ask for suffix drafts;
 2. `choose_verify(rows, draft)`: after drafting, the draft length `k` to verify and the
    acceptance rule with its parameters, from features of the draft distributions only
    (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
@@ -27,6 +32,7 @@ import torch
 from kernels.rules import Rule
 from workers.request import DecodeKnobs
 
+SUFFIX = -1  # choose_steps' answer for "draft from the suffix drafter"
 RECENT_NONE = -1.0  # the recent acceptance of a row that has not verified any draft yet
 
 
@@ -51,7 +57,10 @@ class RowState:
     generated: tokens generated so far; recent_accept: per-position acceptance of the row's recent
     verified drafts (`next_recent_accept`; `RECENT_NONE` = none verified yet);
     tvd_spent: total variation spent so far; remaining: tokens the row may still emit;
-    block_size: the drafter's K (0 without a drafter)."""
+    block_size: the widest draft the engine verifies (the drafter's K; the suffix drafter's cap
+    without a drafter; 0 = no drafting at all).
+    suffix_len / suffix_score / suffix_match: the row's suffix draft this step (tokens, expected
+    accepted tokens, match length; workers/suffix.py), None when not computed."""
 
     request_ids: list[str]
     knobs: list[DecodeKnobs]
@@ -64,12 +73,16 @@ class RowState:
     remaining: torch.Tensor      # [B] int64
     batch_size: int
     block_size: int
+    suffix_len: torch.Tensor | None = None    # [B] int64
+    suffix_score: torch.Tensor | None = None  # [B] float32
+    suffix_match: torch.Tensor | None = None  # [B] int64
 
 
 @dataclass(frozen=True)
 class DraftFeatures:
     """Features of this step's drafts, on the engine's device. Rows that did not draft have
-    steps 0 and zero features. confidence = max prob of q, entropy of q (nats), margin = top-1
+    steps 0 and zero features; suffix rows have steps `SUFFIX` and, as confidence, each drafted
+    token's vote share (workers/suffix.py; entropy and margin 0). confidence = max prob of q, entropy of q (nats), margin = top-1
     minus top-2 prob of q, per drafted position; exact_rule = the engine's exact rule per row."""
 
     steps: torch.Tensor        # [B] int64
@@ -117,15 +130,16 @@ def exact_rules(temperature: torch.Tensor, conditional: torch.Tensor) -> torch.T
 
 
 class StaticDecisions:
-    """Each request's own knobs, every step: s = knobs.steps (0 when draft_len = 0),
-    k = knobs.draft_len; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the
+    """Each request's own knobs, every step: s = knobs.steps (0 when draft_len = 0; `SUFFIX` for
+    knobs.source = 'suffix'), k = knobs.draft_len; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the
     draft probabilities are true conditionals (its TVD report needs them), the exact rule
     otherwise. It never reads the draft features."""
 
     reads_draft_features = False
 
     def choose_steps(self, rows: RowState) -> torch.Tensor:
-        return torch.tensor([kn.steps if kn.draft_len > 0 else 0 for kn in rows.knobs], dtype=torch.int64)
+        return torch.tensor([0 if kn.draft_len <= 0 else SUFFIX if kn.source == "suffix" else kn.steps
+                             for kn in rows.knobs], dtype=torch.int64)
 
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision:
         dev = draft.steps.device
@@ -134,7 +148,7 @@ class StaticDecisions:
         temp = rows.temperature.to(dev)
         lenient = (eps > 0) & (temp > 0) & draft.conditional
         rule = torch.where(lenient, int(Rule.EPS_TVD), draft.exact_rule).to(torch.int32)
-        return VerifyDecision(draft_len=torch.where(draft.steps > 0, k, 0), rule=rule,
+        return VerifyDecision(draft_len=torch.where(draft.steps != 0, k, 0), rule=rule,
                               param=torch.where(lenient, eps, 0.0), param2=torch.zeros_like(eps))
 
     def observe(self, rows: RowState, outcome: StepOutcome) -> None:

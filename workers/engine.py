@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels import Rule, verify
@@ -39,21 +40,28 @@ from kernels.reference import race
 from kernels.denoise import select_commit
 from kernels.rules import NEEDS_DRAFT_PROBS
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
-from workers.decisions import (RECENT_NONE, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome,
-                               exact_rules, next_recent_accept)
+from workers.decisions import (RECENT_NONE, SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions,
+                               StepOutcome, exact_rules, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
+from workers.suffix import EMPTY as NO_SUFFIX_DRAFT, SuffixConfig, SuffixDrafter
 from workers.traces import TRACE_VERSION
 from workers.target_model import load_target, resolve_dtype
 
 # rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
 USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
+SUFFIX_WIDTH = 16    # the longest suffix draft of an engine without a drafter (else the drafter's K)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "models" / "demo" / "drafter"
+
+
+def _source_name(steps: int, draft_len: int) -> str:
+    """A row's draft source in a step: 'suffix', 'diffusion' or 'none' (nothing verified)."""
+    return "none" if draft_len <= 0 else "suffix" if steps == SUFFIX else "diffusion"
 
 
 def _common(values: list[int]) -> int | None:
@@ -72,7 +80,8 @@ class EngineConfig:
     fp32; False = plain `F.linear`); compile: "on" | "off" | "auto" (on for CPU devices), or a
     bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
     (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
-    compile on the spot)."""
+    compile on the spot); suffix: keep a suffix drafter (workers/suffix.py) so that rows may
+    draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -83,6 +92,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that bring no seed
     shape_aware_linear: bool = True
     compile: bool | str = False
+    suffix: bool = True
 
 
 @dataclass(eq=False)  # compared by identity
@@ -107,6 +117,8 @@ class _Request:
     last_knobs: tuple = (0, 0, int(Rule.GREEDY))  # steps, draft_len, rule of the latest step
     apos: list[float] = field(default_factory=list)  # accept_per_position
     _ema_before: float = RECENT_NONE
+    suffix_index: object = None  # workers.suffix.TokenIndex over prompt + output
+    suffix_draft: object = None  # this step's workers.suffix.SuffixDraft
 
 
 class Engine:
@@ -138,7 +150,10 @@ class Engine:
             self.drafter.bind(self.target.model.embed_tokens, self.target.lm_head).eval().requires_grad_(False)
             self.block = self.drafter.config.block_size
             self.capture = tuple(self.drafter.config.target_layer_ids)
-        cap = self.max_len + self.block + 1  # room for speculative writes past max_len
+        # the widest draft verified: the drafter's block, or the suffix drafter's cap without one
+        self.width = self.block or (SUFFIX_WIDTH if config.suffix else 0)
+        self.suffix = SuffixDrafter(SuffixConfig(max_draft=self.width)) if config.suffix else None
+        cap = self.max_len + self.width + 1  # room for speculative writes past max_len
         self.tcache = self.target.new_cache(config.max_batch, cap)
         # target_forward(ids, start, cache, row0, width, logits_index=None, start_value=None):
         # the target's forward with this engine's captured layers; compiled with `compile`
@@ -166,7 +181,7 @@ class Engine:
             mark_static(*self.tcache.k, *self.tcache.v)
             if self.dcache is not None:
                 mark_static(*self.dcache.k, *self.dcache.v)
-        K = max(self.block, 1)
+        K = max(self.width, 1)
         self.acc_counts = torch.zeros(config.max_batch, K, device=self.device)    # accepted at draft position j
         self.reach_counts = torch.zeros(config.max_batch, K, device=self.device)  # verified with all before accepted
         self.decisions = decisions or StaticDecisions()
@@ -249,10 +264,18 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             gen = torch.Generator(device=self.device).manual_seed(seed)
         req = _Request(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen)
+        if self.suffix is not None:
+            req.suffix_index = self.suffix.new_index(ids)
         self.requests[request_id] = req
         self.waiting.append(req)
 
     def _check_knobs(self, knobs: DecodeKnobs) -> None:
+        if knobs.source == "suffix":
+            if self.suffix is None:
+                raise EngineInputError("source = 'suffix' needs the engine's suffix drafter (EngineConfig.suffix)")
+            if knobs.draft_len > self.width:
+                raise EngineInputError(f"draft_len = {knobs.draft_len} exceeds the longest suffix draft {self.width}")
+            return
         if knobs.draft_len > 0 and knobs.steps > 0:
             if self.drafter is None:
                 raise EngineInputError(f"draft_len = {knobs.draft_len} needs a drafter, and this engine has none (use draft_len 0)")
@@ -330,18 +353,22 @@ class Engine:
 
     def _decode(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        dev, run, B, K, V = self.device, self.running, len(self.running), self.block, self.vocab
+        dev, run, B, K, V = self.device, self.running, len(self.running), self.width, self.vocab
         rows = self._row_state()
-        steps = self.decisions.choose_steps(rows).to(torch.int64).clamp(0, K)
+        steps = self.decisions.choose_steps(rows).to(torch.int64).clamp(SUFFIX, self.block)
+        if rows.suffix_len is None:  # no suffix drafts this step
+            steps = steps.clamp(min=0)
+        else:  # a row without a suffix draft does not draft
+            steps = torch.where((steps == SUFFIX) & (rows.suffix_len == 0), 0, steps)
         s_host = steps.tolist()
-        if max(s_host) == 0:  # no row drafts this step
+        if not any(s_host):  # no row drafts this step
             return self._decode_plain(rows, t0)
         temp, top_k, top_p = self._sampling_tensors(run)
         lengths = torch.tensor([r.length for r in run], device=dev)  # [B] L
         anchors = torch.tensor([r.output[-1] for r in run], device=dev)  # [B]
         l2r = torch.tensor([r.knobs.commit_order == "left-to-right" for r in run], device=dev)
         steps_d = steps.to(dev)
-        conditional = (steps_d <= 1) | l2r
+        conditional = ((steps_d <= 1) | l2r) & (steps_d >= 0)  # suffix drafts are point masses: MATCH
         exact = exact_rules(temp, conditional)
 
         # (2) draft all rows with s > 0 together
@@ -349,9 +376,12 @@ class Engine:
         conf = torch.zeros(B, K, device=dev)
         ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
         q_full = None
-        if K and max(s_host) > 0:
+        if SUFFIX in s_host:  # suffix rows: their drafts and vote shares (as confidence), host-built
+            tok_s, conf_s = self._suffix_drafts(s_host)
+            drafts, conf = tok_s.to(dev), conf_s.to(dev)
+        if self.block and max(s_host) > 0:
             drows = [i for i, s in enumerate(s_host) if s > 0]
-            sel = None if len(drows) == B else torch.tensor(drows, device=dev)
+            sel = None if len(drows) == B and K == self.block else torch.tensor(drows, device=dev)
             self._flush(drows)
             tok_d, q_d = self._draft(drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r)
             if self._reads_features():
@@ -370,7 +400,10 @@ class Engine:
         feats = DraftFeatures(steps_d, conf, ent, margin, exact, conditional)
         dec = self.decisions.choose_verify(rows, feats)
         remaining = rows.remaining.to(dev)
-        k = torch.minimum(dec.draft_len.to(dev).clamp(min=0), torch.where(steps_d > 0, K, 0))
+        longest = torch.where(steps_d > 0, K, 0)
+        if rows.suffix_len is not None:
+            longest = torch.where(steps_d == SUFFIX, rows.suffix_len.to(dev), longest)
+        k = torch.minimum(dec.draft_len.to(dev).clamp(min=0), longest)
         k = torch.minimum(k, remaining - 1)
         # GREEDY exactly for T = 0 rows; REJECTION only where q are true conditionals (MATCH
         # otherwise); lossless rows: any lossy rule becomes the exact one
@@ -379,7 +412,7 @@ class Engine:
         rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule)
         lossless = torch.tensor([r.knobs.lossless for r in run], device=dev)
         is_exact = (rule == int(Rule.GREEDY)) | (rule == int(Rule.REJECTION)) | (rule == int(Rule.MATCH))
-        forced = (lossless & ~is_exact) | (temp <= 0)
+        forced = (lossless & ~is_exact) | (temp <= 0) | (steps_d == SUFFIX)  # suffix drafts: exact rules only
         rule = torch.where(forced, exact, rule)
         param = torch.where(forced, 0.0, dec.param.to(dev, torch.float32))
         param2 = torch.where(forced, 0.0, dec.param2.to(dev, torch.float32))
@@ -423,7 +456,7 @@ class Engine:
         temp, top_k, top_p = self._sampling_tensors(run) if sampled else (None, None, None)
         feats = ()
         if self.trace_sink is not None:  # rows that do not draft have zero features
-            zeros = torch.zeros(B, self.block, device=dev)
+            zeros = torch.zeros(B, self.width, device=dev)
             feats = (zeros, zeros, zeros)
         host = self._sample_next(logits[:, 0], run, temp, top_k, top_p, feats)
         rule_host = [int(Rule.REJECTION if r.params.temperature > 0 else Rule.GREEDY) for r in run]
@@ -436,7 +469,7 @@ class Engine:
         accepted drafts + 1, emit its tokens, apply stop conditions, write trace records, tell the
         decision maker, free finished slots. host: one row per request as `_verify_commit` packs it
         (Tq target positions, Kc counter width: 0 = the counters did not change)."""
-        run, K, B = self.running, self.block, len(self.running)
+        run, K, B = self.running, self.width, len(self.running)
         n = sum(k_host)
         tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
@@ -495,7 +528,7 @@ class Engine:
         logits [B, Tq, V]; drafts [B, K]; q_full [B, K, V] or None. Returns (host rows, Kc) with
         row = [tokens (Tq), accepted, emitted, tvd, accept_per_position (Kc), positions verified,
         *feats], Kc the width of the counters."""
-        run, dev, K = self.running, self.device, self.block
+        run, dev, K = self.running, self.device, self.width
         B, Tq, V = logits.shape
         if all(r == int(Rule.GREEDY) for r in rule_host):  # every row greedy (T = 0)
             out = self._verify_greedy(logits, drafts, k)
@@ -685,14 +718,43 @@ class Engine:
         trace sink, or a decision maker that does not declare ``reads_draft_features = False``."""
         return self.trace_sink is not None or getattr(self.decisions, "reads_draft_features", True)
 
+    def _wants_suffix(self) -> bool:
+        """Whether this step computes suffix drafts: the engine has a suffix drafter, and the
+        decision maker reads them (``reads_suffix``) or a running row's knobs ask for them."""
+        if self.suffix is None:
+            return False
+        return getattr(self.decisions, "reads_suffix", False) or any(r.knobs.source == "suffix" for r in self.running)
+
+    def _suffix_drafts(self, s_host: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The suffix drafts of rows with s = SUFFIX, padded: tokens [B, K] int64 and their vote
+        shares [B, K] float32 (CPU; other rows zero)."""
+        B, K = len(self.running), self.width
+        tok, conf = np.zeros((B, K), np.int64), np.zeros((B, K), np.float32)
+        for i, (req, s) in enumerate(zip(self.running, s_host)):
+            if s == SUFFIX:
+                d = req.suffix_draft
+                tok[i, : len(d.tokens)], conf[i, : len(d.probs)] = d.tokens, d.probs
+        return torch.from_numpy(tok), torch.from_numpy(conf)
+
     def _row_state(self) -> RowState:
         run = self.running
+        suffix = {}
+        if self._wants_suffix():
+            for r in run:
+                r.suffix_draft = self.suffix.propose(r.suffix_index)
+            suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
+                          suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
+                          suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]))
+        else:
+            for r in run:
+                r.suffix_draft = NO_SUFFIX_DRAFT
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
             position=torch.tensor([r.length for r in run]), generated=torch.tensor([len(r.output) for r in run]),
             temperature=torch.tensor([float(r.params.temperature) for r in run]),
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
-            remaining=torch.tensor([self._remaining(r) for r in run]), batch_size=len(run), block_size=self.block)
+            remaining=torch.tensor([self._remaining(r) for r in run]), batch_size=len(run), block_size=self.width,
+            **suffix)
 
     def _remaining(self, req: _Request) -> int:
         return min(req.params.max_tokens - len(req.output), self.max_len - len(req.prompt) - len(req.output))
@@ -732,6 +794,8 @@ class Engine:
     def _emit(self, req: _Request, new: list[int], now: float) -> str | None:
         """Append tokens; returns the finish reason if the request is done."""
         req.output.extend(new)
+        if req.suffix_index is not None:
+            req.suffix_index.extend(new)
         req.t_last = now
         if new and new[-1] in req.stop_ids:
             return "stop"
@@ -756,6 +820,8 @@ class Engine:
                 self.running[i] = moved
             self.running.pop()
             self.requests.pop(req.request_id, None)
+            if self.suffix is not None:  # its output may be copied by later requests
+                self.suffix.finish(req.output)
 
     def _stats(self, req: _Request) -> dict:
         gen = len(req.output)
@@ -764,7 +830,8 @@ class Engine:
             "tau": gen / max(req.passes, 1), "target_passes": req.passes, "tokens": gen,
             "accepted": req.accepted, "verified": req.verified,
             "accept_per_position": req.apos, "tvd_spent": req.tvd,
-            "steps_used": req.last_knobs[0], "draft_len_used": req.last_knobs[1],
+            "steps_used": max(req.last_knobs[0], 0), "draft_len_used": req.last_knobs[1],
+            "source_used": _source_name(req.last_knobs[0], req.last_knobs[1]),
             "rules_used": Rule(req.last_knobs[2]).name, "tokens_per_s": gen / wall,
             "prompt_tokens": len(req.prompt),
         }
@@ -777,6 +844,7 @@ class Engine:
             "position": before, "generated": len(req.output),
             "temperature": float(req.params.temperature), "recent_accept": req._ema_before,
             "batch_size": B, "num_tokens": num_tokens, "steps": s, "draft_len": k, "rule": rule,
+            "source": _source_name(s, k), "suffix_match": req.suffix_draft.match_len if s == SUFFIX else 0,
             "param": param, "param2": param2, "commit_order": req.knobs.commit_order,
             "confidence": feats[:K] if s else [], "entropy": feats[K : 2 * K] if s else [],
             "margin": feats[2 * K : 3 * K] if s else [], "accepted": a,

@@ -61,20 +61,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
+DRAFT_SOURCES = ("diffusion", "suffix")
+
+
 @dataclass(frozen=True)
 class DecodeKnobs:
     """steps: diffusion steps s per block (0 = no drafting: autoregressive); draft_len: drafted
     tokens verified per step (0 = autoregressive; capped at the drafter's block size); quality:
     'lossless' (exact rules only) or 'tvd=E' (lenient, spends at most E total variation per token);
     commit_order: which masked positions each denoising step commits ('confidence' = most
-    confident first, 'left-to-right')."""
+    confident first, 'left-to-right'); source: where drafts come from, 'diffusion' (the drafter,
+    `steps` denoising passes) or 'suffix' (copied from earlier text, workers/suffix.py; `steps`
+    unused, `draft_len` caps the draft, verified with exact rules only)."""
 
     steps: int = 1
     draft_len: int = 16
     quality: str = "lossless"
     commit_order: str = "confidence"
+    source: str = "diffusion"
 
     def __post_init__(self):
+        _check(self.source in DRAFT_SOURCES, f"source must be one of {DRAFT_SOURCES}, got {self.source!r}")
         _check(isinstance(self.steps, int) and 0 <= self.steps <= 64, f"steps must be an integer in [0, 64], got {self.steps!r}")
         _check(isinstance(self.draft_len, int) and 0 <= self.draft_len <= 64,
                f"draft_len must be an integer in [0, 64], got {self.draft_len!r}")

@@ -1,0 +1,107 @@
+"""The suffix drafter (workers/suffix.py) and suffix drafts in the engine without a drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import make_tiny_target, run_to_completion, single_thread
+from workers.engine import Engine, EngineConfig
+from workers.request import DecodeKnobs, EngineInputError, SamplingParams
+from workers.suffix import SEPARATOR, RecentOutputs, SuffixConfig, SuffixDrafter, TokenIndex, vote
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+def test_longest_match_proposes_what_followed_it():
+    d = SuffixDrafter()
+    # "1 2 3" occurs at the start; the sequence ends in "1 2 3": match 3, draft "4 5 6" capped at 3 tokens
+    draft = d.propose(d.new_index([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]))
+    assert draft.tokens.tolist() == [4, 5, 6] and draft.match_len == 3 and draft.origin == "request"
+    assert draft.probs.tolist() == [1.0, 1.0, 1.0] and draft.score == 3.0
+
+
+def test_the_longer_of_two_matches_wins():
+    d = SuffixDrafter()
+    # "6 7" is followed by 9 once, "5 6 7" by 8: the longer match decides
+    draft = d.propose(d.new_index([5, 6, 7, 8, 0, 6, 7, 9, 0, 5, 6, 7]))
+    assert draft.match_len == 3 and draft.tokens[0] == 8
+
+
+def test_votes_give_conditional_probabilities():
+    # three candidates: continuations 4 4 5 -> 4 with 2/3; then the two left agree on 6, 7
+    conts = np.array([[4, 6, 7], [5, 0, 0], [4, 6, 7]])
+    tokens, probs = vote(conts, 3, min_prob=0.1)
+    assert tokens.tolist() == [4, 6, 7]
+    assert np.allclose(probs, [2 / 3, 1.0, 1.0])
+    # the running probability stops the draft
+    tokens, _ = vote(conts, 3, min_prob=0.9)
+    assert len(tokens) == 0
+
+
+def test_continuations_stop_at_the_end_of_an_output():
+    d = SuffixDrafter(SuffixConfig(max_factor=8.0))
+    d.finish([10, 11, 12])  # stored with a separator after it
+    draft = d.propose(d.new_index([3, 10, 11]))
+    assert draft.origin == "global" and draft.tokens.tolist() == [12]
+
+
+def test_no_match_no_draft():
+    d = SuffixDrafter()
+    assert len(d.propose(d.new_index([1, 2, 3, 4])).tokens) == 0
+    assert len(d.propose(d.new_index([7])).tokens) == 0
+
+
+def test_index_grows_and_keeps_the_newest_candidates():
+    ix = TokenIndex(max_candidates=2, capacity=4)
+    ix.extend([1, 2, 3, 1, 2, 4, 1, 2, 5])
+    assert ix.size == 9 and len(ix.buf) >= 9
+    cand, m = ix.candidates(np.array([1, 2]))
+    assert m == 2 and sorted(ix.buf[cand].tolist()) == [4, 5]  # the two newest of 3, 4, 5
+
+
+def test_recent_outputs_forget_the_oldest_first():
+    recent = RecentOutputs(capacity=40)
+    for i in range(10):
+        recent.add([100 + i, 200 + i, 300 + i, 400 + i, 500 + i])
+    assert recent.held <= 40
+    assert recent.index.size == recent.held
+    kept = set(recent.index.buf[: recent.index.size].tolist()) - {SEPARATOR}
+    assert 109 in kept and 100 not in kept  # newest kept, oldest dropped
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("suffix") / "t", vocab=16, seed=4)
+
+
+def greedy_of(target, prompts, n, knobs, suffix=True):
+    engine = Engine(EngineConfig(target=target, drafter=None, dtype="float32", max_batch=8, max_len=96,
+                                 suffix=suffix))
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    adds = [(f"r{i}", p, params, knobs) for i, p in enumerate(prompts)]
+    return run_to_completion(engine, adds)
+
+
+def test_suffix_drafts_without_a_drafter_keep_greedy_output(target):
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 1], [9, 9, 9, 2]]
+    plain = greedy_of(target, prompts, 40, DecodeKnobs(draft_len=0))
+    fast = greedy_of(target, prompts, 40, DecodeKnobs(draft_len=8, source="suffix"))
+    for i in range(len(prompts)):
+        assert fast[f"r{i}"] == plain[f"r{i}"]
+    stats = [fast[f"r{i}:stats"] for i in range(len(prompts))]
+    assert sum(s["accepted"] for s in stats) >= 10  # a tiny greedy model loops: its repeats get accepted
+    assert sum(s["target_passes"] for s in stats) < sum(plain[f"r{i}:stats"]["target_passes"] for i in range(3))
+    assert {s["source_used"] for s in stats} <= {"suffix", "none"}
+
+
+def test_suffix_source_needs_the_suffix_drafter(target):
+    engine = Engine(EngineConfig(target=target, drafter=None, dtype="float32", max_batch=2, max_len=32, suffix=False))
+    with pytest.raises(EngineInputError, match="suffix"):
+        engine.add_request("a", [1, 2], SamplingParams(max_tokens=4), DecodeKnobs(draft_len=4, source="suffix"))
+    assert not engine.has_unfinished()
+
+
+def test_bad_source_names_the_field():
+    with pytest.raises(ValueError, match="source"):
+        DecodeKnobs(source="ngram")
