@@ -4,6 +4,8 @@
 with the predictor and cost model of a policy file (`adapt.policy_file`) injected; settings of the
 file apply first and keyword settings override them. `reload(decision_maker, policy)` swaps a new
 policy version in between steps (what `adapt policy push` triggers on every worker).
+A file's settings are checked against its policy's settings model (`SETTINGS`, pydantic): an
+unknown or ill-typed setting is an error that names it, never dropped.
 `profile_engine(engine)` times the engine's own target forward and drafter pass on a grid when a
 worker starts and returns a `CostModel` (DSpark's SPS(B) table, per token count and per row
 count); the policy then keeps correcting it online from measured steps.
@@ -16,22 +18,108 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID, CostModel, Table
-from adapt.policy_file import PolicyFile, load
+from adapt.policy_file import PolicyFile, PolicyFileError, load
 from workers.decisions import StaticDecisions
 
-# settings each policy accepts from a policy file's "settings" (others are ignored for it)
-_SETTINGS = {
-    "static": {"steps", "draft_len", "rule"},
-    "batch-schedule": {"schedule", "steps", "rule"},
-    "dspark": {"steps", "stop"},
-    "adaptive": {"steps_grid", "allow_no_draft", "sla_weight", "sla_slack", "priority_weight", "flat_share",
-                 "replan_every", "idle_decay", "no_draft_margin"},
-    "explore": {"steps_grid", "lenient_share", "seed"},
+
+# -- the settings a policy file may carry ----------------------------------------------------------
+# One pydantic model per policy: its field names are the settings the policy takes from a file's
+# "settings", their types what JSON must hold (strict: no "2" for 2, no 1 for true). Ranges are
+# left to the policy classes. `Field(default=None)` only marks a setting optional: values are
+# taken with ``exclude_unset``, so an absent setting keeps the policy's own default.
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_Ints = Annotated[list[int], Strict(False)]  # a JSON array, or a tuple from Python callers
+
+
+class StaticSettings(_Settings):
+    steps: int = Field(default=None)
+    draft_len: int = Field(default=None)
+    rule: Literal["auto", "exact"] = Field(default=None)
+
+
+class BatchScheduleSettings(_Settings):
+    schedule: dict[Annotated[int, Strict(False)], float] | None = None  # JSON keys are strings; None: default
+    steps: int = Field(default=None)
+    rule: Literal["auto", "exact"] = Field(default=None)
+
+
+class DSparkSettings(_Settings):
+    steps: int = Field(default=None)
+    stop: Literal["first_drop", "argmax"] = Field(default=None)
+
+
+class AdaptiveSettings(_Settings):
+    steps_grid: _Ints = Field(default=None)
+    allow_no_draft: bool = Field(default=None)
+    sla_weight: float = Field(default=None)
+    sla_slack: float = Field(default=None)
+    priority_weight: float = Field(default=None)
+    flat_share: float = Field(default=None)
+    replan_every: int = Field(default=None)
+    idle_decay: float = Field(default=None)
+    no_draft_margin: float = Field(default=None)
+
+
+class ExploreSettings(_Settings):
+    steps_grid: _Ints = Field(default=None)
+    lenient_share: float = Field(default=None)
+    seed: int = Field(default=None)
+
+
+# policy name -> the settings it accepts from a policy file; a policy registered elsewhere
+# (`policies.register`) adds its model here, else its files may carry no settings
+SETTINGS: dict[str, type[BaseModel]] = {
+    "static": StaticSettings,
+    "batch-schedule": BatchScheduleSettings,
+    "dspark": DSparkSettings,
+    "adaptive": AdaptiveSettings,
+    "explore": ExploreSettings,
 }
+
+
+def validate_settings(policy: str, settings: dict) -> dict:
+    """A policy file's ``settings`` for policy ``policy``, checked: the settings given, with
+    validated values. An unknown or ill-typed setting raises `PolicyFileError` naming it
+    (``policy.settings.NAME: ...``)."""
+    if not isinstance(settings, dict):
+        raise PolicyFileError("policy.settings: expected a JSON object")
+    model = SETTINGS.get(policy)
+    if model is None:
+        if settings:
+            raise PolicyFileError(f"policy.settings.{sorted(settings)[0]}: unknown setting (policy {policy!r} "
+                                  "takes no settings from a policy file)")
+        return {}
+    try:
+        return model.model_validate(settings).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(model.model_fields))
+            raise PolicyFileError(f"policy.settings.{loc}: unknown setting of policy {policy!r} "
+                                  f"(known: {known})") from None
+        raise PolicyFileError(f"policy.settings.{loc}: {err['msg']} (got {err['input']!r})") from None
+
+
+def _file_settings(pf: PolicyFile, name: str) -> dict:
+    """The settings of ``pf`` (validated for the file's own policy) that policy ``name`` applies:
+    all of them when ``name`` is the file's policy; those ``name`` also takes when the file is
+    used for another policy (e.g. a benchmark running every policy on one fitted file)."""
+    checked = validate_settings(pf.policy, pf.settings)
+    if name == pf.policy:
+        return checked
+    model = SETTINGS.get(name)
+    shared = {k: v for k, v in checked.items() if model is not None and k in model.model_fields}
+    return validate_settings(name, shared)
 
 
 def _as_policy_file(policy) -> PolicyFile | None:
@@ -53,8 +141,7 @@ def build_policy(name: str | None = None, policy=None, **settings):
     name = name or (pf.policy if pf else "adaptive")
     merged: dict = {}
     if pf is not None:
-        allowed = _SETTINGS.get(name, set())
-        merged.update({k: v for k, v in pf.settings.items() if k in allowed})
+        merged.update(_file_settings(pf, name))
         merged["predictor"] = pf.predictor
         merged["cost"] = CostModel.from_dict(pf.cost.to_dict())  # each worker corrects its own copy
     merged.update(settings)
@@ -70,8 +157,8 @@ def reload(decision_maker, policy, keep_cost: bool = False) -> str:
     ``keep_cost``: keep the running policy's cost model (profiled on this worker and corrected
     online), which knows this machine better than a file fitted elsewhere."""
     pf = _as_policy_file(policy)
-    allowed = _SETTINGS.get(getattr(decision_maker, "name", ""), set())
-    settings = {k: (tuple(v) if k == "steps_grid" else v) for k, v in pf.settings.items() if k in allowed}
+    settings = _file_settings(pf, getattr(decision_maker, "name", ""))
+    settings = {k: (tuple(v) if k == "steps_grid" else v) for k, v in settings.items()}
     cost = None if keep_cost else CostModel.from_dict(pf.cost.to_dict())
     decision_maker.update(predictor=pf.predictor, cost=cost, **settings)
     return pf.version

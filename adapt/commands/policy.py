@@ -31,12 +31,16 @@ def register_subcommand(name: str, add_parser: Callable) -> None:
 
 
 def fit_policy(source, *, policy: str = "adaptive", settings: dict | None = None, seed: int = 0):
-    """Fit a `PolicyFile` from trace records (an iterable of dicts), a `TraceTable`, or a path."""
+    """Fit a `PolicyFile` from trace records (an iterable of dicts), a `TraceTable`, or a path.
+    ``settings`` must be settings of ``policy`` (`adapt.controller.SETTINGS`); a policy that takes
+    ``steps_grid`` gets the logged step counts unless ``settings`` has its own."""
+    from adapt.controller import SETTINGS, validate_settings
     from adapt.cost_model import CostModel
     from adapt.policy_file import PolicyFile
     from adapt.predictor import fit_predictor
     from adapt.trace_data import TraceTable
 
+    validate_settings(policy, settings or {})  # an unknown or ill-typed setting: PolicyFileError naming it
     if isinstance(source, TraceTable):
         table = source
     elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
@@ -51,7 +55,8 @@ def fit_policy(source, *, policy: str = "adaptive", settings: dict | None = None
         cost = CostModel()
         report["cost"] = {"source": "default", "why": str(exc)}
     logged = sorted({int(s) for s in table.steps.tolist() if s > 0})
-    merged = {"steps_grid": logged[:4] or [1]}
+    takes_grid = policy in SETTINGS and "steps_grid" in SETTINGS[policy].model_fields
+    merged = {"steps_grid": logged[:4] or [1]} if takes_grid else {}
     merged.update(settings or {})
     return PolicyFile(predictor=predictor, cost=cost, policy=policy, settings=merged, report=report)
 

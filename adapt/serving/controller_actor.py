@@ -4,7 +4,8 @@ The control plane of `docs/architecture.md`: it is never on a request's path. It
 
 - aggregates the live load of every worker from their heartbeats (`cluster_load`);
 - validates and publishes policies (`push_policy`): a document that fails
-  `adapt.policy_file` validation is rejected with an error naming the field, and the current
+  `adapt.policy_file` validation, or whose settings its policy does not take
+  (`adapt.controller.validate_settings`), is rejected with an error naming the field, and the current
   version stays; a valid one becomes a new store version that every worker hot-reloads;
 - refits the acceptance predictor (and the cost tables) from the trace stream on demand
   (`fit_from_traces`) and publishes the result as a new version.
@@ -35,13 +36,16 @@ _STORE_METHODS = {"put_load", "loads", "remove_worker", "put_policy", "get_polic
 def publish_policy(store: StateStore, doc: Any) -> dict[str, Any]:
     """Validate a policy document and publish it as a new version; returns its versions.
 
-    Raises `adapt.policy_file.PolicyFileError` (naming the field) and leaves the store unchanged
-    when the document is invalid.
+    Raises `adapt.policy_file.PolicyFileError` (naming the field: ``policy.settings.NAME`` for a
+    setting its policy does not know or of the wrong type) and leaves the store unchanged when the
+    document is invalid.
     """
+    from adapt.controller import validate_settings
     from adapt.serving.worker_plugin import decisions_from_policy, validate_policy_doc
 
     policy = validate_policy_doc(doc)
-    decisions_from_policy(policy)  # the policy class must accept the settings, too
+    validate_settings(policy.policy, policy.settings)
+    decisions_from_policy(policy)  # the policy class must accept the setting values, too
     version = store.put_policy(doc)
     return {"store_version": version, "policy_version": policy.version, "policy": policy.policy}
 
