@@ -28,6 +28,17 @@ draft features may depend on their own earlier draws (REJECTION after s > 1 left
 denoising) are decided by a per-row threshold instead: position ``j`` is verified iff
 ``w_r a_{r,j} ≥ λ``, with ``λ`` fixed before drafting, so that the decision at ``j`` reads only
 positions ``≤ j`` (non-anticipating).
+
+Suffix drafts (every step, over the plan): a row whose suffix draft (workers/suffix.py: tokens
+copied from text it has seen, free to make) is worth more than its planned choice takes it. With
+``c`` the per-token acceptance of a suffix draft of its match length (`suffix_accept`: a table
+fitted on traces, `adapt.predictor.fit_suffix_accept`; ``m / (m + 3)`` without one), verifying
+its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens and costs ``k`` more verified slots, each
+worth ``Θ · Δms`` tokens (Θ: the batch's recent tokens per ms, Δms: the cost model's marginal
+ms of a verified slot). The row takes the best ``k`` when its net win beats its planned
+choice's (no draft: 0; a diffusion draft: its expected extra tokens net of its slots). On a
+GPU, where slots are nearly free, every suffix draft that may be accepted is verified; on a
+CPU, only long, confident matches pay.
 """
 
 from __future__ import annotations
@@ -46,8 +57,12 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05, **kwargs):
+                 replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
+                 use_suffix: bool = True, suffix_accept: dict | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.use_suffix = bool(use_suffix)
+        self.suffix_accept = check_suffix_accept(suffix_accept)
+        self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
             raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
@@ -91,21 +106,70 @@ class AdaptivePolicy(Policy):
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
         K = int(getattr(rows, "block_size", 0) or self.block_size)
+        self._suffix_k = None
         if B == 0 or K == 0:
             return torch.zeros(B, dtype=torch.int64)
-        if len(self.steps_grid) == 1 and not self.allow_no_draft:
-            return torch.full((B,), self.steps_grid[0], dtype=torch.int64)
-        # the step plan moves slowly (recent acceptance, lateness): re-plan every few steps while
-        # the batch keeps the same requests
-        key = tuple(rows.request_ids)
-        if self._plan is not None and self._plan[0] == key and self._plan[1] < self.replan_every:
-            self._plan = (key, self._plan[1] + 1, self._plan[2])
-            return self._plan[2]
-        steps = self._plan_steps(rows, ctx, B, K)
-        self._plan = (key, 1, steps)
+        if not getattr(rows, "has_drafter", True):  # suffix drafts only (an engine without a drafter)
+            steps, extra = torch.zeros(B, dtype=torch.int64), torch.zeros(B)
+        elif len(self.steps_grid) == 1 and not self.allow_no_draft:
+            steps, extra = torch.full((B,), self.steps_grid[0], dtype=torch.int64), torch.full((B,), float("inf"))
+        else:
+            # the step plan moves slowly (recent acceptance, lateness): re-plan every few steps
+            # while the batch keeps the same requests
+            key = tuple(rows.request_ids)
+            if self._plan is not None and self._plan[0] == key and self._plan[1] < self.replan_every:
+                self._plan = (key, self._plan[1] + 1, *self._plan[2:])
+            else:
+                self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
+            steps, extra = self._plan[2], self._plan[3]
+        if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
+            steps = self._take_suffix(rows, ctx, steps, extra)
         return steps
 
-    def _plan_steps(self, rows, ctx, B: int, K: int) -> torch.Tensor:
+    @property
+    def reads_suffix(self) -> bool:
+        """The engine computes suffix drafts for this policy (workers/decisions.py)."""
+        return self.use_suffix
+
+    def _take_suffix(self, rows, ctx, steps: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """Rows whose suffix draft beats their planned choice take it (see the module docstring).
+        steps [B]: the plan; extra [B]: the plan's net expected win of each row in tokens (0 for
+        rows without a draft). Sets ``_suffix_k`` [B]."""
+        from workers.decisions import SUFFIX
+
+        B = len(rows.request_ids)
+        n = rows.suffix_len.cpu()                                                      # [B]
+        Ks = int(n.max())
+        c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())              # [B]
+        j = torch.arange(1, Ks + 1, dtype=torch.float32)                               # [Ks]
+        win = ((c[:, None] ** j[None]) * (j[None] <= n[:, None])).cumsum(1)            # [B, Ks] Σ_{j≤k} c^j
+        tokens = float(B)
+        slot_ms = max(self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens), 0.0) / 8.0
+        theta = self.throughput if self.throughput > 0 else B / max(self.cost.step_ms_at(tokens), 1e-6)
+        w = self.weights(ctx).cpu()                                                    # [B]
+        net = w[:, None] * win - theta * float(w.mean()) * slot_ms * j[None]          # [B, Ks]
+        best, k = net.max(1)
+        take = (n > 0) & (best > 0) & (best > extra.clamp(min=0) * w)
+        self._suffix_k = torch.where(take, k + 1, torch.zeros_like(k))
+        return torch.where(take, SUFFIX, steps)
+
+    def _with_suffix(self, decision, rows, draft):
+        """The verify decision with suffix rows' draft lengths (chosen in `_take_suffix`) and exact rules."""
+        from workers.decisions import SUFFIX
+
+        suffix = draft.steps == SUFFIX
+        if self._suffix_k is None or not bool(suffix.any()):
+            return decision
+        dev = decision.draft_len.device
+        k = torch.where(suffix, self._suffix_k.to(dev), decision.draft_len)
+        rule = torch.where(suffix, draft.exact_rule.to(decision.rule.dtype), decision.rule)
+        zero = torch.zeros_like(decision.param)
+        return make_verify_decision(k, rule, torch.where(suffix, zero, decision.param), rows,
+                                    torch.where(suffix, zero, decision.param2))
+
+    def _plan_steps(self, rows, ctx, B: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(steps [B], net expected win [B] of each row's choice in tokens: its expected extra
+        tokens minus what its verified slots could have bought; 0 for rows without a draft)."""
         dev = rows.temperature.device
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
@@ -153,7 +217,12 @@ class AdaptivePolicy(Policy):
             cur_gain[chosen], cur_tok[chosen], level[chosen] = gain[chosen, i], toks[chosen, i], i
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
-        return torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
+        steps = torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
+        tokens = float(cur_tok.sum())
+        slot_ms = max(self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens), 0.0) / 8.0
+        theta = float(cur_gain.sum()) / max(self.cost.step_ms_at(tokens) + fixed_draft, 1e-6)
+        extra = torch.where(level >= 0, (cur_gain - w) / w - theta * slot_ms * (cur_tok - 1.0), torch.zeros_like(w))
+        return steps, extra.cpu()
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
         """[B] recent acceptance as the prior should read it: the class's typical value for rows
@@ -168,6 +237,9 @@ class AdaptivePolicy(Policy):
 
     # -- after drafting ----------------------------------------------------------------------------
     def _verify(self, rows, draft, ctx):
+        return self._with_suffix(self._verify_drafts(rows, draft, ctx), rows, draft)
+
+    def _verify_drafts(self, rows, draft, ctx):
         B, K = draft.confidence.shape
         dev = draft.confidence.device
         rpp = rows_per_pass(draft.steps)
@@ -212,3 +284,27 @@ class AdaptivePolicy(Policy):
         eps = torch.where(k > 0, eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
         return make_verify_decision(k, rule, param, rows)
+
+
+def check_suffix_accept(table: dict | None) -> dict | None:
+    """A fitted suffix acceptance table ``{"match": [m_0 < m_1 < ...], "accept": [c_0, c_1, ...]}``
+    (c_i: per-token acceptance of suffix drafts whose match length is >= m_i and < m_{i+1}),
+    checked; None = the built-in ``m / (m + 3)``."""
+    if table is None:
+        return None
+    match, accept = table.get("match"), table.get("accept")
+    if not (isinstance(match, list) and isinstance(accept, list) and match and len(match) == len(accept)):
+        raise ValueError("suffix_accept: expected {'match': [...], 'accept': [...]} of equal, non-zero length")
+    if any(b <= a for a, b in zip(match, match[1:])) or not all(0.0 <= c <= 1.0 for c in accept):
+        raise ValueError("suffix_accept: match must increase and accept lie in [0, 1]")
+    return {"match": [int(m) for m in match], "accept": [float(c) for c in accept]}
+
+
+def suffix_accept_of(table: dict | None, match: torch.Tensor) -> torch.Tensor:
+    """[B] per-token acceptance of suffix drafts with match lengths ``match`` [B]."""
+    m = match.float()
+    if table is None:
+        return m / (m + 3.0)
+    edges = torch.tensor(table["match"], dtype=torch.float32)
+    idx = (torch.bucketize(m, edges, right=True) - 1).clamp(min=0)
+    return torch.tensor(table["accept"], dtype=torch.float32)[idx]

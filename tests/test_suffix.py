@@ -105,3 +105,53 @@ def test_suffix_source_needs_the_suffix_drafter(target):
 def test_bad_source_names_the_field():
     with pytest.raises(ValueError, match="source"):
         DecodeKnobs(source="ngram")
+
+
+def run_adaptive(target, drafter, prompts, n, cost):
+    from policies.adaptive import AdaptivePolicy
+
+    from workers.traces import ListTraceSink
+
+    policy = AdaptivePolicy(cost=cost, online_cost=False)
+    sink = ListTraceSink()
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=128),
+                    decisions=policy, trace_sink=sink)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    outs = run_to_completion(engine, [(f"r{i}", p, params, DecodeKnobs()) for i, p in enumerate(prompts)])
+    outs["sources"] = [r["source"] for r in sink.records]
+    outs["suffix_accepted"] = sum(r["accepted"] for r in sink.records if r["source"] == "suffix")
+    return outs
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from tests.tiny_models import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("suffix-pair"), vocab=16, seed=4)
+
+
+def test_adaptive_policy_takes_suffix_drafts_where_slots_are_cheap_and_stays_exact(pair):
+    from policies.defaults import LinearCost
+
+    target, drafter = pair
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 1, 2], [9, 9, 9, 2]]
+    plain = greedy_of(target, prompts, 48, DecodeKnobs(draft_len=0))
+    cheap = run_adaptive(target, drafter, prompts, 48, LinearCost(overhead_ms=8.0, per_token_ms=0.01))
+    for i in range(len(prompts)):
+        assert cheap[f"r{i}"] == plain[f"r{i}"]
+    # a looping tiny model: long matches, nearly free slots -> suffix drafts taken and accepted
+    assert cheap["suffix_accepted"] >= 10
+    assert sum(cheap[f"r{i}:stats"]["target_passes"] for i in range(3)) < 3 * 48
+
+
+def test_adaptive_policy_declines_suffix_drafts_when_every_slot_costs_a_step(pair):
+    from policies.defaults import LinearCost
+
+    target, drafter = pair
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 1, 2]]
+    plain = greedy_of(target, prompts, 32, DecodeKnobs(draft_len=0))
+    dear = run_adaptive(target, drafter, prompts, 32, LinearCost(overhead_ms=1.0, per_token_ms=50.0, per_pass_ms=50.0))
+    for i in range(len(prompts)):
+        assert dear[f"r{i}"] == plain[f"r{i}"]
+        assert dear[f"r{i}:stats"]["verified"] == 0  # a slot costs as much as a step: nothing pays
+    assert set(dear["sources"]) == {"none"}

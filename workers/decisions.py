@@ -73,6 +73,7 @@ class RowState:
     remaining: torch.Tensor      # [B] int64
     batch_size: int
     block_size: int
+    has_drafter: bool = True                  # False: only suffix drafts (or none) are possible
     suffix_len: torch.Tensor | None = None    # [B] int64
     suffix_score: torch.Tensor | None = None  # [B] float32
     suffix_match: torch.Tensor | None = None  # [B] int64

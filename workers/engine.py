@@ -754,7 +754,7 @@ class Engine:
             temperature=torch.tensor([float(r.params.temperature) for r in run]),
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
             remaining=torch.tensor([self._remaining(r) for r in run]), batch_size=len(run), block_size=self.width,
-            **suffix)
+            has_drafter=self.drafter is not None, **suffix)
 
     def _remaining(self, req: _Request) -> int:
         return min(req.params.max_tokens - len(req.output), self.max_len - len(req.prompt) - len(req.output))
