@@ -45,7 +45,9 @@ class Decoder:
 
         plugin = functools.partial(ServingPlugin, store=redis_url, policy=policy, heartbeat_s=heartbeat_s,
                                    ttl_s=ttl_s)
-        config = {"target": target, "drafter": drafter, **(engine_options or {})}
+        from adapt.serving.engine_options import validate_engine_options
+
+        config = validate_engine_options({"target": target, "drafter": drafter, **(engine_options or {})})
         self.worker = DecoderWorker(f"decoder-{_replica_id()}", config, plugin, num_threads)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -162,13 +164,15 @@ def app_builder(args: dict[str, Any]):
     policy, model_name, engine_options, num_threads, default_tpot_ms, default_quality,
     default_max_tokens, decoder_options (Serve options of the Decoder deployment), api_keys (list;
     ADAPT_API_KEY in the Ingress replicas' environment works too), max_body_bytes (optional)."""
+    from adapt.serving.engine_options import validate_engine_options  # unknown / ill-typed: ValueError naming it
+
     missing = [k for k in ("target", "redis_url") if not args.get(k)]
     if missing:
         raise ValueError(f"{missing[0]}: required in the application's args (see deploy/serve_config.yaml)")
     redis_url = str(args["redis_url"])
     decoder_options = dict(args.get("decoder_options") or {})  # e.g. {"ray_actor_options": {"num_gpus": 0}}
     decoder = Decoder.options(**decoder_options).bind(str(args["target"]), args.get("drafter"), redis_url, args.get("policy"),
-                           args.get("engine_options") or {}, args.get("num_threads"))
+                           validate_engine_options(args.get("engine_options")), args.get("num_threads"))
     controller = ControllerDeployment.bind(redis_url)
     return Ingress.bind(decoder, controller, redis_url, str(args.get("model_name", "adapt")),
                         args.get("default_tpot_ms"), str(args.get("default_quality", "lossless")),

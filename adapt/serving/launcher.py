@@ -71,10 +71,14 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     max_queue: generation requests allowed to wait beyond what the workers run at once
     (workers × max_batch) before the ingress answers 429 (None: no limit); max_body_bytes:
     largest request body (413 above; None: `adapt.serving.limits.DEFAULT_MAX_BODY_BYTES`).
+    engine_options: keyword arguments of `workers.engine.EngineConfig` (max_batch, max_len, dtype,
+    ...), checked first (`adapt.serving.engine_options`: an unknown or ill-typed one is a
+    ValueError naming it, before Ray or any worker starts).
     """
     import ray
 
     from adapt.serving.controller_actor import CONTROLLER_NAME, NAMESPACE, ActorStoreClient, Controller
+    from adapt.serving.engine_options import validate_engine_options
     from adapt.serving.http_app import build_app
     from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
     from adapt.serving.router import ActorRouter
@@ -82,6 +86,9 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     from adapt.serving.worker_plugin import ServingPlugin
     from workers.ray_worker import DecoderWorker
 
+    # checked before anything starts: an unknown or ill-typed option is a ValueError naming it
+    engine_config = validate_engine_options({"target": str(target), "drafter": None if drafter is None else str(drafter),
+                                             **(engine_options or {})})
     owns_ray = False
     if not ray.is_initialized():
         if ray_address:
@@ -102,8 +109,6 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
         doc = pf_module.load(policy_file).to_dict()
         ray.get(controller.push_policy.remote(doc))
 
-    engine_config = {"target": str(target), "drafter": None if drafter is None else str(drafter),
-                     **(engine_options or {})}
     handles: dict[str, Any] = {}
     for i in range(num_workers):
         wid = f"{name_prefix}-{i}"
