@@ -57,6 +57,14 @@ class DSparkSettings(_Settings):
     stop: Literal["first_drop", "argmax"] = Field(default=None)
 
 
+class SuffixAcceptTable(BaseModel):
+    """Per-token acceptance of suffix drafts by match length (policies.adaptive.check_suffix_accept)."""
+
+    model_config = ConfigDict(extra="forbid")
+    match: list[int]
+    accept: list[float]
+
+
 class AdaptiveSettings(_Settings):
     steps_grid: _Ints = Field(default=None)
     allow_no_draft: bool = Field(default=None)
@@ -67,6 +75,8 @@ class AdaptiveSettings(_Settings):
     replan_every: int = Field(default=None)
     idle_decay: float = Field(default=None)
     no_draft_margin: float = Field(default=None)
+    use_suffix: bool = Field(default=None)
+    suffix_accept: SuffixAcceptTable = Field(default=None)
 
 
 class ExploreSettings(_Settings):

@@ -100,7 +100,7 @@ class TraceTable:
     recent_accept: np.ndarray   # [N] float32
     batch_size: np.ndarray      # [N] int64
     num_tokens: np.ndarray      # [N] int64, tokens in the target forward of that step
-    steps: np.ndarray           # [N] int64, diffusion steps s
+    steps: np.ndarray           # [N] int64, diffusion steps s (-1: a suffix draft, workers/suffix.py)
     draft_len: np.ndarray       # [N] int64, verified draft length k
     block: np.ndarray           # [N] int64, drafted block width (len(confidence))
     rule: np.ndarray            # [N] int64
@@ -114,6 +114,7 @@ class TraceTable:
     draft_ms: np.ndarray        # [N] float32 (nan if absent)
     verify_ms: np.ndarray       # [N] float32
     step_ms: np.ndarray         # [N] float32
+    suffix_match: np.ndarray    # [N] int64, match length of a suffix draft (0 otherwise)
 
     def __len__(self) -> int:
         return len(self.request_id)
@@ -180,6 +181,7 @@ class TraceTable:
             draft_ms=col("draft_ms", np.nan, np.float32),
             verify_ms=col("verify_ms", np.nan, np.float32),
             step_ms=col("step_ms", np.nan, np.float32),
+            suffix_match=col("suffix_match", 0, np.int64),
         )
 
     @classmethod

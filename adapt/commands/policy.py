@@ -57,6 +57,12 @@ def fit_policy(source, *, policy: str = "adaptive", settings: dict | None = None
     logged = sorted({int(s) for s in table.steps.tolist() if s > 0})
     takes_grid = policy in SETTINGS and "steps_grid" in SETTINGS[policy].model_fields
     merged = {"steps_grid": logged[:4] or [1]} if takes_grid else {}
+    if policy in SETTINGS and "suffix_accept" in SETTINGS[policy].model_fields:
+        from adapt.suffix_fit import fit_suffix_accept
+
+        suffix_table, report["suffix"] = fit_suffix_accept(table)
+        if suffix_table is not None:
+            merged["suffix_accept"] = suffix_table
     merged.update(settings or {})
     return PolicyFile(predictor=predictor, cost=cost, policy=policy, settings=merged, report=report)
 
