@@ -6,7 +6,7 @@
 
 Models: `--pair NAME` (workers/pairs.py: `smollm2`, the default, or `demo`); `--target` /
 `--drafter` override the pair's (`--drafter none`: no drafter; rows that need one are skipped).
-Prompts: `--prompts FILE`, JSON Lines of `{"prompt": "text"}` or `{"messages": [{"role": ..., "content":
+Prompts: `--workload chat|code|edit|mixed` (adapt/bench/workloads.py), or `--prompts FILE`, JSON Lines of `{"prompt": "text"}` or `{"messages": [{"role": ..., "content":
 ...}, ...]}` (rendered with the target's chat template), or a JSON list of strings; text is
 tokenized without special tokens. Every row gets the same prompt token ids.
 
@@ -20,6 +20,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `adapt-policy` | our `Engine` with `adapt serve`'s default decisions: the `adaptive` policy, `models/demo/policy.json`, a cost model profiled at start |
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
+| `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |
 | `hf` | transformers `generate`, greedy |
 | `hf-lookup` | transformers prompt-lookup decoding (`prompt_lookup_num_tokens=8`) |
 | `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
@@ -58,6 +59,7 @@ ROWS = {
     "adapt-policy": "adapt, adaptive policy",
     "adapt-ar": "adapt --draft-len 0",
     "adapt-target": "adapt, no drafter",
+    "adapt-suffix": "adapt, suffix drafts only",
     "adapt-ar-eager": "adapt --draft-len 0, eager",
     "hf": "transformers generate",
     "hf-lookup": "transformers prompt-lookup",
@@ -67,6 +69,7 @@ ROWS = {
 # (ours, theirs): the comparisons the speed targets are about
 RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
           ("adapt-policy", "vllm-ngram"), ("adapt", "vllm"),
+          ("adapt-suffix", "vllm-ngram"), ("adapt-policy", "adapt-ar"), ("adapt-suffix", "adapt-ar"),
           ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
 
 
@@ -80,6 +83,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", type=Path, default=None,
                    help='JSON Lines of {"prompt": TEXT} or {"messages": [...]} (chat template), or a JSON list of '
                         "strings (default: windows of the held-out stdlib files)")
+    p.add_argument("--workload", default=None, choices=("chat", "code", "edit", "mixed"),
+                   help="prompts of a built-in workload (adapt/bench/workloads.py) instead of --prompts")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per measurement (default: the largest batch size)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
     p.add_argument("--max-groups", type=int, default=0,
@@ -215,6 +220,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             runners[row] = AdaptRunner(row, label, target, drafter, **(engine | {"compile": "off"}), draft_len=0)
         elif row == "adapt-target":
             runners[row] = AdaptRunner(row, label, target, None, **engine, draft_len=0)
+        elif row == "adapt-suffix":
+            runners[row] = AdaptRunner(row, label, target, None, **engine, source="suffix")
         elif row in ("hf", "hf-lookup"):
             runners[row] = HFRunner(row, label, target, dtype, lookup=row == "hf-lookup")
         else:
@@ -277,8 +284,15 @@ def run(args) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     count = args.num_prompts or max(batch_sizes)
-    prompts = (file_prompts(tokenizer, args.prompts, count) if args.prompts
-               else heldout_prompts(tokenizer, count, args.prompt_len))
+    if args.workload:  # adapt/bench/workloads.py, through the chat template
+        from adapt.bench.workloads import make_workload
+        from workers.chat import chat_prompt_ids
+
+        prompts = [chat_prompt_ids(tokenizer, w["messages"]) for w in make_workload(args.workload, count)]
+    elif args.prompts:
+        prompts = file_prompts(tokenizer, args.prompts, count)
+    else:
+        prompts = heldout_prompts(tokenizer, count, args.prompt_len)
     max_batch = max(batch_sizes)
     max_len = max(map(len, prompts)) + max_tokens + 16
 
@@ -387,7 +401,8 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             "pair": args.pair, "target": str(args.target), "drafter": str(args.drafter), "dtype": str(ctx["dtype"]).removeprefix("torch."),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
-            "prompts": "file " + str(args.prompts) if args.prompts else "held-out stdlib",
+            "prompts": (f"workload {args.workload}" if args.workload else "file " + str(args.prompts) if args.prompts
+                        else "held-out stdlib"),
             "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
             "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_speculative_config": VLLM_NGRAM,
             "compile": args.compile,

@@ -175,14 +175,17 @@ class AdaptRunner:
     draft); `drafter=None`: an engine without a drafter, the bare autoregressive path.
     `policy="adaptive"`: what `adapt serve` runs by default, the adaptive policy with the policy
     file shipped beside the drafter's parent (`models/demo/policy.json`, if there) and a cost
-    model profiled on this engine at start, as a serving worker does. `compile`: the engine's
+    model profiled on this engine at start, as a serving worker does. `source="suffix"`: static
+    suffix drafts (workers/suffix.py) of up to `draft_len` tokens (default: the engine's widest).
+    The suffix drafter's memory of recent outputs starts empty in every `generate` call, so a
+    repeated prompt never copies its own earlier answer. `compile`: the engine's
     setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
     are kept in `warm_up`)."""
 
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
                  max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None,
-                 compile: str = "off"):
-        self.name, self.label, self.policy, self.compile = name, label, policy, compile
+                 compile: str = "off", source: str = "diffusion"):
+        self.name, self.label, self.policy, self.compile, self.source = name, label, policy, compile, source
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.warm_up: dict = {}
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
@@ -206,9 +209,16 @@ class AdaptRunner:
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
         from workers.request import DecodeKnobs, SamplingParams
 
+        from workers.suffix import SuffixDrafter
+
         eng = self.engine
+        if eng.suffix is not None:  # no memory of earlier runs' outputs
+            eng.suffix = SuffixDrafter(eng.suffix.config)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        knobs = None if self.draft_len is None else DecodeKnobs(steps=1, draft_len=self.draft_len)
+        if self.source == "suffix":
+            knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")
+        else:
+            knobs = None if self.draft_len is None else DecodeKnobs(steps=1, draft_len=self.draft_len)
         outputs: list[list[int]] = []
         passes, seconds = 0, 0.0
         probe = PhaseProbe(eng) if profile else None

@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                         "keeps within it too")
     p.add_argument("--commit-order", default="confidence", choices=["confidence", "left-to-right"],
                    help="which masked positions each denoising step commits")
+    p.add_argument("--draft-source", default=None, choices=["diffusion", "suffix"],
+                   help="static: where drafts come from: the diffusion drafter (default) or the suffix drafter "
+                        "(text copied from the prompt and output; no drafter is loaded)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -69,7 +72,7 @@ def _model_dirs(args) -> tuple[Path, Path | None, Path | None]:
     from workers.pairs import resolve_models
 
     target, drafter, policy_file = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
-    if args.draft_len == 0:  # autoregressive: a drafter would only be loaded and kept in step
+    if args.draft_len == 0 or args.draft_source == "suffix":  # no diffusion drafts: the drafter is not needed
         drafter = None
     for name, path, flag in (("target", target, "--target"), ("drafter", drafter, "--drafter")):
         if path is not None and not (Path(path) / "config.json").is_file():
@@ -84,7 +87,7 @@ def _use_adaptive(args, drafter, policy_file) -> bool:
         return False
     if args.policy == "adaptive":
         return True
-    return policy_file is not None and args.steps is None and args.draft_len is None
+    return policy_file is not None and args.steps is None and args.draft_len is None and args.draft_source is None
 
 
 def run(args) -> int:
@@ -118,8 +121,10 @@ def _run(args) -> int:
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=args.dtype, device=args.device, max_batch=1,
                                  compile=args.compile), trace_sink=sink)
     engine.warm_up()
-    draft_len = engine.block if args.draft_len is None else args.draft_len
-    knobs = DecodeKnobs(steps=steps, draft_len=draft_len, quality=quality, commit_order=args.commit_order)
+    source = args.draft_source or "diffusion"
+    draft_len = (engine.width if source == "suffix" else engine.block) if args.draft_len is None else args.draft_len
+    knobs = DecodeKnobs(steps=steps, draft_len=draft_len, quality=quality, commit_order=args.commit_order,
+                        source=source)
     if adaptive:
         from adapt.controller import build_policy, profile_engine
 
@@ -155,7 +160,8 @@ def _run(args) -> int:
     text = tok.decode(shown, skip_special_tokens=True)
     stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
                  policy="adaptive" if adaptive else "static", quality=quality,
-                 **({} if adaptive else {"steps": steps, "draft_len": draft_len, "commit_order": args.commit_order}))
+                 **({} if adaptive else {"steps": steps, "draft_len": draft_len, "commit_order": args.commit_order,
+                                         "draft_source": source}))
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "stats": stats}))
     else:

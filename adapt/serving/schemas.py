@@ -58,6 +58,9 @@ class DecodeBody(BaseModel):
     draft_len: int | None = Field(None, ge=0, le=16, description="Draft tokens verified per step.")
     commit_order: Literal["confidence", "left-to-right"] | None = Field(
         None, description="Order in which the drafter commits masked positions.")
+    source: Literal["diffusion", "suffix"] | None = Field(
+        None, description="Where drafts come from: the diffusion drafter or the suffix drafter (text copied "
+                          "from the prompt and output).")
 
 
 class StreamOptions(BaseModel):

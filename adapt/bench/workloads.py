@@ -1,0 +1,115 @@
+"""Benchmark workloads: chat, code, edit and a mix, made from the held-out stdlib files.
+
+Words used here:
+- **chat**: open instructions (workers/training/chat_prompts.py, held-out split): the answers
+  are new text, so free drafts copied from the prompt rarely match.
+- **code**: "complete this function" with the function's first half given: the answer repeats
+  that half and continues it (identifiers and lines recur).
+- **edit**: a whole function and a small change to make ("rename the variable x", "add type
+  hints", ...): the answer copies long spans of the prompt, as edit / RAG-style requests do
+  (where suffix and n-gram drafts win).
+- **mixed**: the three in turn, in one run.
+
+Every prompt is one user message for the target's chat template (`{"messages": [...]}` JSON
+Lines, the format of `adapt bench speed --prompts FILE`), built from functions of the stdlib
+files the drafters never trained on (`workers.training.corpus`, held-out split), seeded.
+
+    python -m adapt.bench.workloads --workload edit --count 32 --out edit_prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import textwrap
+from pathlib import Path
+
+WORKLOADS = ("chat", "code", "edit", "mixed")
+MIN_LINES, MAX_LINES = 6, 28  # function sizes used by code and edit prompts
+
+
+def _functions(seed: int) -> list[tuple[str, ast.FunctionDef]]:
+    """(source, node) of held-out stdlib functions of MIN_LINES..MAX_LINES lines, shuffled."""
+    from workers.training.corpus import stdlib_files
+
+    found = []
+    for path in stdlib_files("heldout"):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                text = textwrap.dedent(ast.get_source_segment(source, node) or "")
+                if MIN_LINES <= text.count("\n") + 1 <= MAX_LINES and "\t" not in text:
+                    found.append((text, node))
+    random.Random(seed).shuffle(found)
+    return found
+
+
+def _local_name(node: ast.FunctionDef) -> str | None:
+    """A variable the function assigns (for a rename), or None."""
+    names = sorted({t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
+                    for t in n.targets if isinstance(t, ast.Name) and len(t.id) > 1})
+    return names[0] if names else None
+
+
+def edit_instruction(text: str, node: ast.FunctionDef, rng: random.Random) -> str:
+    var = _local_name(node)
+    changes = [f"Rename the function to `{node.name}_v2`.", "Add type hints to its parameters.",
+               "Add a one-line docstring at the top of it."]
+    if var:
+        changes.append(f"Rename the variable `{var}` to `{var}_value` everywhere.")
+    change = rng.choice(changes)
+    return (f"Here is a Python function:\n```python\n{text}\n```\n{change} "
+            "Reply with the complete updated function only.")
+
+
+def code_instruction(text: str) -> str:
+    lines = text.splitlines()
+    head = "\n".join(lines[: max(2, len(lines) // 2)])
+    return f"Complete this Python function. Reply with the whole function:\n```python\n{head}\n```"
+
+
+def make_workload(name: str, count: int, seed: int = 0) -> list[dict]:
+    """`count` prompts of workload `name` as `{"messages": [...], "workload": kind}` dicts."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
+    if name == "mixed":
+        parts = {k: make_workload(k, (count + 2) // 3, seed) for k in ("chat", "code", "edit")}
+        return [parts[k][i // 3] for i, k in zip(range(count), ("chat", "code", "edit") * count)]
+    if name == "chat":
+        from workers.training.chat_prompts import make_prompts
+
+        return [{"messages": m, "workload": "chat"} for m in make_prompts("heldout", count, seed=seed)]
+    rng = random.Random(seed)
+    funcs = _functions(seed)
+    if not funcs:
+        raise ValueError("workload: no held-out stdlib functions found")
+    out = []
+    for i in range(count):
+        text, node = funcs[i % len(funcs)]
+        content = edit_instruction(text, node, rng) if name == "edit" else code_instruction(text)
+        out.append({"messages": [{"role": "user", "content": content}], "workload": name})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="edit", choices=WORKLOADS)
+    p.add_argument("--count", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    prompts = make_workload(args.workload, args.count, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    print(f"{len(prompts)} {args.workload} prompts -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
