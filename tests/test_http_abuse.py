@@ -16,11 +16,10 @@ import time
 from collections import Counter
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-openai = pytest.importorskip("openai")
 
 KEYS = ("sk-first-4f1c", "sk-second-9a2e")
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}

@@ -12,9 +12,8 @@ import functools
 import time
 
 import httpx
+import openai
 import pytest
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
-
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
+import ray
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,6 @@ def test_models_health_and_completion_with_sla_headers(stack, client):
     raw = client.completions.with_raw_response.create(model="adapt-demo", prompt="def add(a, b):", max_tokens=12,
                                                       temperature=0, extra_headers=SLA)
     resp = raw.parse()
-    assert raw.headers["x-sla-met"] in ("true", "false")
     assert float(raw.headers["x-adapt-tau"]) >= 1.0
     assert isinstance(resp.choices[0].text, str)
     assert 1 <= resp.usage.completion_tokens <= 12
@@ -96,8 +94,8 @@ def test_models_health_and_completion_with_sla_headers(stack, client):
     for key in ("steps_used", "draft_len_used", "rules_used"):
         assert key in stats
     sla = adapt["sla"]
-    assert sla["quality_met"] is True and isinstance(sla["met"], bool)
-    assert sla["met"] == (sla["tpot_ms"] is None or sla["tpot_ms"] <= 500.0)
+    assert sla["quality_met"] is True and sla["met"] is (sla["tpot_ms"] is None or sla["tpot_ms"] <= 500.0)
+    assert raw.headers["x-sla-met"] == ("true" if sla["met"] else "false")  # the header says what the body says
 
     # the same targets as body fields
     resp2 = client.completions.create(model="adapt-demo", prompt="def add(a, b):", max_tokens=12, temperature=0,

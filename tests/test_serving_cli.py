@@ -13,11 +13,10 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from tests.conftest import free_port  # noqa: E402
+from tests.conftest import free_port
 
 CLI_KEY, ENV_KEY = "sk-cli-0c7d1e", "sk-env-5b2a90"
 AUTH = {"Authorization": f"Bearer {CLI_KEY}"}

@@ -98,3 +98,17 @@ def test_redis_store_survives_a_restart(redis_server):
     assert v in seen, f"subscriber did not resubscribe after the restart, saw {seen}"
     sub.close()
     store.close()
+
+
+def test_a_missing_redis_server_fails_with_a_clear_message(monkeypatch):
+    """The tests never install redis-server (.ci/run does): without it they fail saying so."""
+    import os
+    import shutil
+
+    from tests import conftest
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if str(p).endswith("redis-server") else real_exists(p))
+    with pytest.raises(pytest.fail.Exception, match=r"redis-server not found.*\.ci/run does this"):
+        conftest._redis_server_binary()
