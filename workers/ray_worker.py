@@ -12,15 +12,11 @@ detokenizes incrementally (`workers.detokenize`: each chunk decodes only its new
 serving adds (shared state, policies, SLA verdicts) arrives as a *plugin* built by a factory the
 caller passes in, so this module imports nothing of `adapt`.
 
-Plugin protocol (see `adapt.serving.worker_plugin.ServingPlugin`)::
-
-    plugin.start(loop)                       # heartbeats, policy subscription; may call loop.set_decisions
-    plugin.decisions(engine) -> DecisionMaker|None  # initial decision maker (None: the engine's)
-    plugin.trace_sink() -> TraceSink|None
-    plugin.prepare(request) -> (knobs: dict, targets: object)
-    plugin.finish(request, targets, timing, stats, finish_reason) -> dict  # SLA verdict
-    plugin.aborted(request)                  # the caller went away before the request finished
-    plugin.close()
+The engine and plugin contracts are `typing.Protocol`s in `workers.protocols`: `DecoderEngine`
+(what this module uses of `workers.engine.Engine`) and `WorkerPlugin` (``trace_sink``,
+``decisions``, ``start``, ``prepare``, ``finish``, ``close``; optional hooks ``on_step`` and
+``aborted``; `adapt.serving.worker_plugin.ServingPlugin` implements it). A plugin is checked
+against it when the worker starts (`workers.protocols.check_plugin` names what is missing).
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from workers.detokenize import StreamDetokenizer, find_stop
+from workers.protocols import DecoderEngine, WorkerPlugin, check_plugin, plugin_hook
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +51,7 @@ class _Stream:
 class EngineLoop:
     """Runs ``engine.step()`` on a dedicated thread; see the module docstring."""
 
-    def __init__(self, engine: Any, on_step: Callable[[float, int], None] | None = None):
+    def __init__(self, engine: DecoderEngine, on_step: Callable[[float, int], None] | None = None):
         self.engine = engine
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,7 +76,7 @@ class EngineLoop:
         """Swap the decision maker between two steps (hot reload)."""
         self._commands.put(("decisions", version, decisions))
 
-    def between_steps(self, fn: Callable[[Any], Any], version: int) -> None:
+    def between_steps(self, fn: Callable[[DecoderEngine], Any], version: int) -> None:
         """Run ``fn(engine)`` on the loop thread between two steps (e.g. update the policy in place);
         the loop then reports policy `version`, unless `fn` raised (logged, version unchanged)."""
         self._commands.put(("call", version, fn))
@@ -180,12 +177,13 @@ class DecoderWorker:
     """A decoder worker (use as a Ray actor): owns an engine loop; see the module docstring.
 
     engine_config: keyword arguments of `EngineConfig` (target, drafter, dtype, device, ...).
-    plugin_factory: ``factory(worker_id) -> plugin`` (serving's shared state, policies, SLAs).
+    plugin_factory: ``factory(worker_id) -> plugin`` (serving's shared state, policies, SLAs), a
+    `workers.protocols.WorkerPlugin`; a TypeError names what a plugin lacks, before any model loads.
     num_threads: torch intra-op threads for this worker (cores / workers on a shared machine).
     """
 
     def __init__(self, worker_id: str | None, engine_config: dict[str, Any],
-                 plugin_factory: Callable[[str], Any] | None = None, num_threads: int | None = None):
+                 plugin_factory: Callable[[str], WorkerPlugin] | None = None, num_threads: int | None = None):
         import torch
 
         from workers.engine import Engine, EngineConfig
@@ -193,9 +191,12 @@ class DecoderWorker:
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.worker_id = worker_id or _default_worker_id()
-        self.plugin = plugin_factory(self.worker_id) if plugin_factory is not None else None
+        self.plugin: WorkerPlugin | None = None
+        if plugin_factory is not None:
+            self.plugin = check_plugin(plugin_factory(self.worker_id))
+        self._aborted = plugin_hook(self.plugin, "aborted")
         sink = self.plugin.trace_sink() if self.plugin is not None else None
-        self.engine = Engine(EngineConfig(**engine_config), decisions=None, trace_sink=sink)
+        self.engine: DecoderEngine = Engine(EngineConfig(**engine_config), decisions=None, trace_sink=sink)
         # compile the decode steps before the cost model is profiled and before any request (no-op if eager)
         self.warm_up = self.engine.warm_up()
         if self.plugin is not None:
@@ -206,8 +207,7 @@ class DecoderWorker:
         from workers.chat import stop_ids
 
         self._chat_stops = stop_ids(self.tokenizer, chat=True)  # EOS and the template's end-of-turn token
-        on_step = getattr(self.plugin, "on_step", None)
-        self.loop = EngineLoop(self.engine, on_step=on_step)
+        self.loop = EngineLoop(self.engine, on_step=plugin_hook(self.plugin, "on_step"))
         if self.plugin is not None:
             self.plugin.start(self.loop)
 
@@ -298,8 +298,8 @@ class DecoderWorker:
         finally:
             if not finished:  # the client went away or the router cancelled: free the engine slot
                 self.loop.abort(rid)
-                if self.plugin is not None and hasattr(self.plugin, "aborted"):
-                    self.plugin.aborted(request)
+                if self._aborted is not None:
+                    self._aborted(request)
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

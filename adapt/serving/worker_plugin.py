@@ -1,8 +1,9 @@
 """What serving adds to a decoder worker: heartbeats, hot-reloaded policies, traces, SLA verdicts.
 
 `ServingPlugin` is handed to `workers.ray_worker.DecoderWorker` (which imports nothing of
-`adapt`) through a picklable factory, ``functools.partial(ServingPlugin, store=..., ...)``.
-In the worker process it:
+`adapt`) through a picklable factory, ``functools.partial(ServingPlugin, store=..., ...)``; it
+implements `workers.protocols.WorkerPlugin` with both optional hooks (``on_step``, ``aborted``),
+which the worker checks when it starts (`workers.protocols.check_plugin`). In the worker process it:
 
 - heartbeats the worker's load and counters into the store every `heartbeat_s` with a TTL, so
   the router and the controller see live load, and a dead worker disappears on its own;
@@ -21,12 +22,16 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adapt.serving.metrics import WorkerCounters
 from adapt.serving.store import StateStore, open_store
 from adapt.serving.trace_sink import StoreTraceSink
 from adapt.targets import RequestTargets
+from workers.protocols import DecoderEngine
+
+if TYPE_CHECKING:
+    from workers.ray_worker import EngineLoop
 
 __all__ = ["ServingPlugin", "decisions_from_policy", "validate_policy_doc"]
 
@@ -113,8 +118,8 @@ class ServingPlugin:
         self.profile_cost = profile_cost
         self.cost = None  # this worker's profiled CostModel (adapt.controller.profile_engine)
 
-    # -- plugin protocol -----------------------------------------------------------------------
-    def decisions(self, engine: Any = None):
+    # -- the plugin protocol (workers.protocols.WorkerPlugin, PluginHooks) --------------------
+    def decisions(self, engine: DecoderEngine | None = None):
         """The decision maker to start with: the store's current policy, else the named one."""
         self.block_size = int(getattr(engine, "block", 0) or 0) or None
         # no drafter, nothing for a policy to choose (and no cost model to profile: ~15 s saved at start)
@@ -153,7 +158,7 @@ class ServingPlugin:
     def on_step(self, step_ms: float, rows: int) -> None:
         self.counters.observe_step(step_ms)
 
-    def start(self, loop) -> None:
+    def start(self, loop: EngineLoop) -> None:
         self._loop = loop
         loop.policy_version = self._loaded_version
         hb = threading.Thread(target=self._heartbeat_loop, daemon=True, name="adapt-heartbeat")
