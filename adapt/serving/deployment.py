@@ -13,18 +13,58 @@ Three deployments make one application (`app_builder`; config in ``deploy/serve_
 
 On a cluster a Redis URL is required: it is how workers, the controller and the CLI
 (``adapt policy push --redis-url``) share load, policies and traces.
+
+Back-pressure (docs/serving.md, "Back-pressure under Ray Serve"): a flood is answered **429** with
+``Retry-After`` and an OpenAI-shaped JSON error, never a 5xx, by our code, not by Serve's proxy:
+
+- the ``Decoder`` deployment runs ``max_ongoing_requests`` requests per replica and lets
+  ``max_queued_requests`` more wait in each Ingress's router; beyond that Serve raises
+  ``BackPressureError`` in the Ingress, which `ServeBackend` answers 429 ``queue_full``;
+- the ``Ingress`` deployment admits ``max_ongoing_requests`` (1000) requests per replica, far more
+  than the decoders hold, and its own admission (`adapt.serving.limits.Guard`) answers 429 once
+  it holds ``ingress_max_requests`` generation requests (default: 90 % of its
+  ``max_ongoing_requests``), so the replica always has slots left to answer a 429 or ``/health``
+  and the proxy never has to queue nor refuse (Serve's own refusal is a plain-text 503 unless the
+  deployment's ``backpressure_config`` says 429, which both deployments set as a last line);
+- the code-level defaults below equal ``deploy/serve_config.yaml``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 from typing import Any, AsyncIterator
 
 from ray import serve
 
 from adapt.serving.headers import ApiError
 
-__all__ = ["Decoder", "ControllerDeployment", "Ingress", "ServeBackend", "app_builder"]
+__all__ = ["Decoder", "ControllerDeployment", "Ingress", "ServeBackend", "app_builder", "ingress_admission_limit",
+           "DECODER_MAX_ONGOING", "DECODER_MAX_QUEUED", "INGRESS_MAX_ONGOING", "INGRESS_MAX_QUEUED", "RETRY_AFTER_S"]
+
+# Code-level defaults; deploy/serve_config.yaml sets the same values (tests/test_serve_flood.py checks).
+DECODER_MAX_ONGOING = 64     # = the engine's max_batch: requests one Decoder replica runs at once
+DECODER_MAX_QUEUED = 128     # requests waiting for a Decoder replica, per Ingress replica (router); then 429
+INGRESS_MAX_ONGOING = 1000   # requests one Ingress replica holds (Serve's limit; beyond it the proxy queues)
+INGRESS_MAX_QUEUED = 1000    # requests Serve's proxy queues for the Ingress before refusing them itself
+RETRY_AFTER_S = 1            # the Retry-After of every 429
+
+
+def _backpressure_429() -> dict[str, Any]:
+    """Serve's own answer to a full queue as 429 + Retry-After instead of a plain 503, where this
+    Ray has ``backpressure_config``; only a last line: our code answers first (module docstring)."""
+    if "backpressure_config" not in inspect.signature(serve.deployment).parameters:
+        return {}
+    from ray.serve.config import BackpressureConfig
+
+    return {"backpressure_config": BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S)}
+
+
+def ingress_admission_limit(max_ongoing_requests: int) -> int:
+    """Generation requests an Ingress replica admits by default: 90 % of its Serve
+    ``max_ongoing_requests`` (at least one slot kept for 429 answers and ``/health``)."""
+    return max(1, min(max_ongoing_requests - 1, max_ongoing_requests - math.ceil(max_ongoing_requests / 10)))
 
 
 def _replica_id() -> str:
@@ -33,7 +73,8 @@ def _replica_id() -> str:
     return str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", None) or rid)
 
 
-@serve.deployment(name="Decoder", max_ongoing_requests=64, ray_actor_options={"num_gpus": 1})
+@serve.deployment(name="Decoder", max_ongoing_requests=DECODER_MAX_ONGOING, max_queued_requests=DECODER_MAX_QUEUED,
+                  ray_actor_options={"num_gpus": 1}, **_backpressure_429())
 class Decoder:
     """A decoder replica: the engine loop with the decision function in-process."""
 
@@ -91,9 +132,10 @@ class ControllerDeployment:
 class ServeBackend:
     """The HTTP app's backend over a ``Decoder`` deployment handle."""
 
-    def __init__(self, decoder: Any, store: Any):
+    def __init__(self, decoder: Any, store: Any, retry_after_s: int = RETRY_AFTER_S):
         self.decoder = decoder
         self.store = store
+        self.retry_after_s = retry_after_s
         self._last: dict[str, dict[str, Any]] = {}
 
     async def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -108,14 +150,22 @@ class ServeBackend:
         except ApiError:
             raise
         except BackPressureError as exc:  # the Decoder deployment's max_queued_requests
-            raise ApiError(f"server busy: the decoders' queues are full ({exc.max_queued_requests} waiting); "
-                           "retry after 1 s", status=429, type_="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
+            queued = getattr(exc, "max_queued_requests", None)
+            raise ApiError(f"server busy: the decoders' queue is full ({queued} requests waiting for a Decoder "
+                           f"replica, its max_queued_requests); retry after {self.retry_after_s} s", status=429,
+                           type_="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
         except Exception as exc:  # noqa: BLE001 - the replica died or was stopped
             raise ApiError(f"decoder replica failed{' mid-stream' if got_any else ''}: {type(exc).__name__}",
                            status=503, type_="server_error", code="worker_died") from None
         finally:
-            gen.cancel()
+            # With Serve's router in its own loop (the default), cancel() fetches the assignment's
+            # result and raises its error again (a BackPressureError): it must not replace ours, or
+            # Serve's handler turns it into a plain-text 503.
+            try:
+                gen.cancel()
+            except Exception:  # noqa: BLE001 - the request already failed; nothing to cancel
+                pass
 
     async def loads(self) -> dict[str, dict[str, Any]]:
         import asyncio
@@ -127,7 +177,16 @@ class ServeBackend:
         return dict(self._last)
 
 
-@serve.deployment(name="Ingress")
+def _own_max_ongoing_requests() -> int:
+    """This replica's Serve ``max_ongoing_requests`` (as deployed, YAML overrides included)."""
+    try:
+        return int(serve.get_replica_context()._deployment_config.max_ongoing_requests)
+    except Exception:  # noqa: BLE001 - not in a replica, or a Ray without the field
+        return INGRESS_MAX_ONGOING
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=INGRESS_MAX_ONGOING, max_queued_requests=INGRESS_MAX_QUEUED,
+                  **_backpressure_429())
 @serve.ingress()
 class Ingress:
     """The OpenAI-compatible HTTP front."""
@@ -135,7 +194,7 @@ class Ingress:
     def __init__(self, decoder: Any, controller: Any, redis_url: str, model_name: str = "adapt",
                  default_tpot_ms: float | None = None, default_quality: str = "lossless",
                  default_max_tokens: int = 64, api_keys: list[str] | None = None,
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, max_requests: int | None = None):
         from adapt.serving.store import open_store
         from adapt.targets import ServerDefaults
 
@@ -146,14 +205,17 @@ class Ingress:
         self.default_max_tokens = default_max_tokens
         self.api_keys = list(api_keys or [])
         self.max_body_bytes = max_body_bytes
+        self.max_requests = max_requests or ingress_admission_limit(_own_max_ongoing_requests())
 
     def __serve_build_asgi_app__(self):
         from adapt.serving.auth import ApiKeys
         from adapt.serving.http_app import build_app
         from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
-        # the queue limit is the Decoder deployment's max_queued_requests (answered 429 by ServeBackend)
-        limits = Limits(max_running=None, max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        # Decoder queue full: 429 from ServeBackend; this replica full: 429 from the Guard, below
+        # Serve's max_ongoing_requests so that the proxy never queues nor refuses for it
+        limits = Limits(max_running=self.max_requests, max_queue=0, retry_after_s=RETRY_AFTER_S,
+                        max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         return build_app(self.backend, model_name=self.model_name, defaults=self.defaults,
                          default_max_tokens=self.default_max_tokens,
                          api_keys=ApiKeys.from_sources(self.api_keys), limits=limits)
@@ -162,8 +224,12 @@ class Ingress:
 def app_builder(args: dict[str, Any]):
     """The Serve application from config ``args``: target, drafter, redis_url (required);
     policy, model_name, engine_options, num_threads, default_tpot_ms, default_quality,
-    default_max_tokens, decoder_options (Serve options of the Decoder deployment), api_keys (list;
-    ADAPT_API_KEY in the Ingress replicas' environment works too), max_body_bytes (optional)."""
+    default_max_tokens, decoder_options / ingress_options (Serve options of the Decoder / Ingress
+    deployment, e.g. ``max_ongoing_requests``, ``max_queued_requests``; a config file's
+    ``deployments:`` entries override them), api_keys (list; ADAPT_API_KEY in the Ingress
+    replicas' environment works too), max_body_bytes (optional), ingress_max_requests
+    (generation requests one Ingress replica admits before answering 429 itself; default 90 % of
+    its max_ongoing_requests)."""
     from adapt.serving.engine_options import validate_engine_options  # unknown / ill-typed: ValueError naming it
 
     missing = [k for k in ("target", "redis_url") if not args.get(k)]
@@ -174,6 +240,12 @@ def app_builder(args: dict[str, Any]):
     decoder = Decoder.options(**decoder_options).bind(str(args["target"]), args.get("drafter"), redis_url, args.get("policy"),
                            validate_engine_options(args.get("engine_options")), args.get("num_threads"))
     controller = ControllerDeployment.bind(redis_url)
-    return Ingress.bind(decoder, controller, redis_url, str(args.get("model_name", "adapt")),
-                        args.get("default_tpot_ms"), str(args.get("default_quality", "lossless")),
-                        int(args.get("default_max_tokens", 64)), args.get("api_keys"), args.get("max_body_bytes"))
+    ingress_options = dict(args.get("ingress_options") or {})
+    max_requests = args.get("ingress_max_requests")
+    if max_requests is not None and (isinstance(max_requests, bool) or not isinstance(max_requests, int)
+                                     or max_requests < 1):
+        raise ValueError(f"ingress_max_requests: expected a positive integer, got {max_requests!r}")
+    return Ingress.options(**ingress_options).bind(
+        decoder, controller, redis_url, str(args.get("model_name", "adapt")), args.get("default_tpot_ms"),
+        str(args.get("default_quality", "lossless")), int(args.get("default_max_tokens", 64)), args.get("api_keys"),
+        args.get("max_body_bytes"), max_requests)
