@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import random
 import textwrap
@@ -30,12 +31,13 @@ WORKLOADS = ("chat", "code", "edit", "mixed")
 MIN_LINES, MAX_LINES = 6, 28  # function sizes used by code and edit prompts
 
 
-def _functions(seed: int) -> list[tuple[str, ast.FunctionDef]]:
-    """(source, node) of held-out stdlib functions of MIN_LINES..MAX_LINES lines, shuffled."""
+@functools.lru_cache(maxsize=4)
+def _functions(seed: int, split: str = "heldout") -> tuple[tuple[str, ast.FunctionDef], ...]:
+    """(source, node) of stdlib functions of `split` with MIN_LINES..MAX_LINES lines, shuffled."""
     from workers.training.corpus import stdlib_files
 
-    found = []
-    for path in stdlib_files("heldout"):
+    found = []  # (cached: parsing a split's files takes seconds)
+    for path in stdlib_files(split):
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
@@ -47,7 +49,7 @@ def _functions(seed: int) -> list[tuple[str, ast.FunctionDef]]:
                 if MIN_LINES <= text.count("\n") + 1 <= MAX_LINES and "\t" not in text:
                     found.append((text, node))
     random.Random(seed).shuffle(found)
-    return found
+    return tuple(found)
 
 
 def _local_name(node: ast.FunctionDef) -> str | None:
@@ -74,21 +76,27 @@ def code_instruction(text: str) -> str:
     return f"Complete this Python function. Reply with the whole function:\n```python\n{head}\n```"
 
 
-def make_workload(name: str, count: int, seed: int = 0) -> list[dict]:
-    """`count` prompts of workload `name` as `{"messages": [...], "workload": kind}` dicts."""
+@functools.lru_cache(maxsize=8)
+def _chat(split: str, count: int, seed: int) -> tuple:
+    from workers.training.chat_prompts import make_prompts
+
+    return tuple(make_prompts(split, count, seed=seed))
+
+
+def make_workload(name: str, count: int, seed: int = 0, split: str = "heldout") -> list[dict]:
+    """`count` prompts of workload `name` as `{"messages": [...], "workload": kind}` dicts, from the
+    stdlib files of `split` ('heldout' for benchmarks; 'train' for fitting, e.g. adapt/suffix_fit.py)."""
     if name not in WORKLOADS:
         raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)}, got {name!r}")
     if name == "mixed":
-        parts = {k: make_workload(k, (count + 2) // 3, seed) for k in ("chat", "code", "edit")}
+        parts = {k: make_workload(k, (count + 2) // 3, seed, split) for k in ("chat", "code", "edit")}
         return [parts[k][i // 3] for i, k in zip(range(count), ("chat", "code", "edit") * count)]
     if name == "chat":
-        from workers.training.chat_prompts import make_prompts
-
-        return [{"messages": m, "workload": "chat"} for m in make_prompts("heldout", count, seed=seed)]
+        return [{"messages": m, "workload": "chat"} for m in _chat(split, count, seed)]
     rng = random.Random(seed)
-    funcs = _functions(seed)
+    funcs = _functions(seed, split)
     if not funcs:
-        raise ValueError("workload: no held-out stdlib functions found")
+        raise ValueError(f"workload: no stdlib functions found in the {split} split")
     out = []
     for i in range(count):
         text, node = funcs[i % len(funcs)]
