@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from adapt.trace_data import K_MAX, TraceTable
+from kernels.rules import EXACT_RULES, Rule
 
 DRAFT_FEATURES = (
     "confidence", "log_confidence", "entropy", "margin", "position", "prefix_min_confidence",
@@ -53,9 +54,10 @@ DRAFT_FEATURES = (
 PRIOR_FEATURES = ("steps_1", "steps_2", "steps_3", "steps_4plus", "position", "greedy", "match",
                   "recent_accept", "logit_recent_accept", "log_steps")
 
-_RULE_MATCH = 2
-_EXACT_RULES = (0, 1, 2)
-_RULE_EPS_TVD = 3
+# rule ids from the one rule table (kernels/rules.py)
+_RULE_MATCH = int(Rule.MATCH)
+_EXACT_RULES = tuple(sorted(int(r) for r in EXACT_RULES))
+_RULE_EPS_TVD = int(Rule.EPS_TVD)
 
 
 # ----------------------------------------------------------------------------- features (tensor code)

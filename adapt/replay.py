@@ -37,10 +37,10 @@ import torch
 
 from adapt.targets import RequestTargets
 from adapt.trace_data import K_MAX, TraceTable
+from kernels.rules import Rule
 from workers.decisions import RECENT_NONE, next_recent_accept
 
-_EPS_RULE = 3
-_MATCH_RULE = 2
+_EPS_RULE = int(Rule.EPS_TVD)  # rule ids from the one rule table (kernels/rules.py)
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,7 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
 
     ``charge_decisions``: add the policy's measured decision time (CPU time of its calls) to each
     simulated step, as it would be in the engine."""
+    from kernels.rules import enforce_rules
     from workers.decisions import DraftFeatures, RowState, StepOutcome, exact_rules
     from workers.request import DecodeKnobs
 
@@ -210,10 +211,8 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
         remaining = rows.remaining
         k = torch.minimum(dec.draft_len.clamp(min=0), torch.where(steps > 0, K, 0))
         k = torch.minimum(k, remaining - 1).clamp(min=0)
-        rule = dec.rule.to(torch.int32)
         lossless = torch.tensor([r.knobs.lossless for r in active])
-        allowed = (rule == exact) | ((rule == _MATCH_RULE) & (temp > 0))
-        rule = torch.where(lossless & ~allowed, exact, rule)
+        rule, _, _ = enforce_rules(dec.rule, dec.param, dec.param2, temp, lossless, conditional)
         k_np = k.numpy()
         j = np.arange(K_MAX)[None, :]
         within = j < k_np[:, None]

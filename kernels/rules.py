@@ -66,3 +66,38 @@ def parse_rule(name: str | int) -> Rule:
     except KeyError:
         names = ", ".join(r.name.lower() for r in Rule)
         raise ValueError(f"rule: unknown rule {name!r} (expected one of {names})") from None
+
+
+def exact_rules(temperature, conditional):
+    """[B] int32 exact rule per row: GREEDY at T = 0, REJECTION where the draft probabilities q are
+    the proposal's true conditionals, MATCH otherwise (tensors [B]: temperature, conditional)."""
+    import torch
+
+    sampled_rule = torch.where(conditional, int(Rule.REJECTION), int(Rule.MATCH))
+    return torch.where(temperature <= 0, int(Rule.GREEDY), sampled_rule).to(torch.int32)
+
+
+def enforce_rules(rule, param, param2, temperature, lossless, conditional, point_mass=None):
+    """The rule each row really verifies with, whatever a decision maker asked: the one function
+    the engine and the replay evaluator apply (tensors [B] on one device). Returns (rule int32,
+    param, param2), with parameters 0 where the rule was replaced.
+
+    - T = 0 rows: GREEDY (their p is used only through its argmax; no lossy rule applies);
+    - GREEDY asked for a sampled row: the row's exact rule;
+    - REJECTION where q are not true conditionals (`conditional` False): MATCH;
+    - lossless rows: any lossy rule becomes the exact rule;
+    - point-mass drafts (`point_mass` True: suffix drafts, q = 1 at the token): the exact rule
+      (a lenient rule would need q)."""
+    import torch
+
+    exact = exact_rules(temperature, conditional)
+    rule = rule.to(torch.int32)
+    rule = torch.where(rule == int(Rule.GREEDY), exact, rule)
+    rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule).to(torch.int32)
+    is_exact = (rule == int(Rule.GREEDY)) | (rule == int(Rule.REJECTION)) | (rule == int(Rule.MATCH))
+    forced = (lossless & ~is_exact) | (temperature <= 0)
+    if point_mass is not None:
+        forced = forced | point_mass
+    rule = torch.where(forced, exact, rule)
+    zero = torch.zeros_like(param, dtype=torch.float32)
+    return rule, torch.where(forced, zero, param.float()), torch.where(forced, zero, param2.float())

@@ -59,6 +59,8 @@ def test_metrics_render_as_prometheus_text():
         {"steps": 2, "draft_len": 3, "accepted": 2, "accept_flags": [1, 1, 0], "rule": 1, "tvd_spent": 0.0},
         {"steps": 0, "draft_len": 0, "accepted": 0, "accept_flags": [], "rule": 0, "tvd_spent": 0.0},
         {"steps": 1, "draft_len": 2, "accepted": 2, "accept_flags": [1, 1], "rule": 3, "tvd_spent": 0.04},
+        {"steps": -1, "draft_len": 4, "accepted": 1, "accept_flags": [1, 0, 0, 0], "rule": 0, "tvd_spent": 0.0,
+         "source": "suffix", "suffix_match": 5},
     ])
     c.observe_step(7.5)
     c.observe_request("length", {"met": True, "latency_met": True, "quality_met": True})
@@ -66,9 +68,10 @@ def test_metrics_render_as_prometheus_text():
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     value = lambda name, **labels: next(s.value for s in fams[name].samples  # noqa: E731
                                         if all(s.labels.get(k) == v for k, v in labels.items()))
-    assert value("adapt_drafts") == 2 and value("adapt_draft_tokens") == 5 and value("adapt_accepted_tokens") == 4
-    assert value("adapt_tau") == pytest.approx(7 / 3)
-    assert value("adapt_accepted_per_position", position="0") == 2
+    assert value("adapt_drafts") == 3 and value("adapt_draft_tokens") == 9 and value("adapt_accepted_tokens") == 5
+    assert value("adapt_tau") == pytest.approx(9 / 4)
+    assert value("adapt_decisions", lever="source", value="suffix") == 1
+    assert value("adapt_accepted_per_position", position="0") == 3
     assert value("adapt_accepted_per_position", position="2") == 0
     assert value("adapt_decisions", lever="rule", value="eps_tvd") == 1
     assert value("adapt_tvd_spent") == pytest.approx(0.04)

@@ -209,7 +209,7 @@ def test_metrics_expose_the_decoder_counters(stack, client):
     drafts = sum(s.value for s in families["adapt_drafts"].samples)
     assert drafts > 0
     levers = {s.labels["lever"] for s in families["adapt_decisions"].samples}
-    assert levers == {"steps", "draft_len", "rule"}
+    assert levers == {"steps", "draft_len", "rule", "source"}
     assert sum(s.value for s in families["adapt_tvd_spent"].samples) > 0  # the tvd=0.5 request spent some
 
 

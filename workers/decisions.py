@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.rules import Rule
+from kernels.rules import Rule, exact_rules  # noqa: F401  (exact_rules: re-exported)
 from workers.request import DecodeKnobs
 
 SUFFIX = -1  # choose_steps' answer for "draft from the suffix drafter"
@@ -122,12 +122,6 @@ class DecisionMaker(Protocol):
     def choose_steps(self, rows: RowState) -> torch.Tensor: ...  # [B] int64
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
     def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
-
-
-def exact_rules(temperature: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
-    """[B] int32: GREEDY at T = 0, REJECTION where q are true conditionals, MATCH otherwise."""
-    sampled_rule = torch.where(conditional, int(Rule.REJECTION), int(Rule.MATCH))
-    return torch.where(temperature <= 0, int(Rule.GREEDY), sampled_rule).to(torch.int32)
 
 
 class StaticDecisions:

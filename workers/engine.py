@@ -38,10 +38,10 @@ from kernels import Rule, verify
 from kernels.verify import VerifyOutput
 from kernels.reference import race
 from kernels.denoise import select_commit
-from kernels.rules import NEEDS_DRAFT_PROBS
+from kernels.rules import NEEDS_DRAFT_PROBS, enforce_rules, exact_rules
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import (RECENT_NONE, SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions,
-                               StepOutcome, exact_rules, next_recent_accept)
+                               StepOutcome, next_recent_accept)
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
@@ -405,17 +405,11 @@ class Engine:
             longest = torch.where(steps_d == SUFFIX, rows.suffix_len.to(dev), longest)
         k = torch.minimum(dec.draft_len.to(dev).clamp(min=0), longest)
         k = torch.minimum(k, remaining - 1)
-        # GREEDY exactly for T = 0 rows; REJECTION only where q are true conditionals (MATCH
-        # otherwise); lossless rows: any lossy rule becomes the exact one
-        rule = dec.rule.to(dev, torch.int32)
-        rule = torch.where(temp <= 0, int(Rule.GREEDY), torch.where(rule == int(Rule.GREEDY), exact, rule))
-        rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule)
+        # the rule each row really verifies with (kernels.rules.enforce_rules: GREEDY at T = 0,
+        # exact rules for lossless rows and suffix drafts, MATCH where q are not conditionals)
         lossless = torch.tensor([r.knobs.lossless for r in run], device=dev)
-        is_exact = (rule == int(Rule.GREEDY)) | (rule == int(Rule.REJECTION)) | (rule == int(Rule.MATCH))
-        forced = (lossless & ~is_exact) | (temp <= 0) | (steps_d == SUFFIX)  # suffix drafts: exact rules only
-        rule = torch.where(forced, exact, rule)
-        param = torch.where(forced, 0.0, dec.param.to(dev, torch.float32))
-        param2 = torch.where(forced, 0.0, dec.param2.to(dev, torch.float32))
+        rule, param, param2 = enforce_rules(dec.rule.to(dev), dec.param.to(dev), dec.param2.to(dev), temp, lossless,
+                                            conditional, steps_d == SUFFIX)
         # the draft lengths size the target forward, so the host reads them (free for a decision
         # maker that answers with CPU tensors, as StaticDecisions does)
         k_host, rule_host, p1_host, p2_host = torch.stack([k.double(), rule.double(), param.double(), param2.double()]).tolist()

@@ -29,11 +29,13 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kernels.rules import Rule
+
 __all__ = ["WorkerCounters", "STEP_BUCKETS_MS", "DecoderCollector", "IngressCollector", "MetricsExporter",
            "render_metrics"]
 
 STEP_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-RULE_NAMES = {0: "greedy", 1: "rejection", 2: "match", 3: "eps_tvd", 4: "lambda", 5: "sglang", 6: "typical"}
+RULE_NAMES = {int(r): r.name.lower() for r in Rule}  # metric label per rule id (kernels/rules.py)
 
 
 def _bump(table: dict[str, float], key: object, by: float = 1.0) -> None:
@@ -49,7 +51,7 @@ class WorkerCounters:
         self._c: dict[str, Any] = {
             "passes": 0, "emitted_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
             "tvd_spent": 0.0, "accepted_per_position": [], "verified_per_position": [],
-            "decisions": {"steps": {}, "draft_len": {}, "rule": {}},
+            "decisions": {"steps": {}, "draft_len": {}, "rule": {}, "source": {}},
             "steps": 0, "step_ms_sum": 0.0, "step_ms_buckets": [0] * (len(STEP_BUCKETS_MS) + 1),
             "requests": {}, "sla": {"total": 0, "met": 0, "latency_total": 0, "latency_met": 0,
                                     "quality_total": 0, "quality_met": 0},
@@ -65,7 +67,7 @@ class WorkerCounters:
                 draft_len = int(r.get("draft_len", 0))
                 c["passes"] += 1
                 c["emitted_tokens"] += accepted + 1
-                if int(r.get("steps", 0)) > 0:
+                if int(r.get("steps", 0)) != 0:  # a diffusion draft (s > 0) or a suffix draft (-1)
                     c["drafts"] += 1
                 c["draft_tokens"] += draft_len
                 c["accepted_tokens"] += accepted
@@ -82,6 +84,7 @@ class WorkerCounters:
                 _bump(d["steps"], r.get("steps", 0))
                 _bump(d["draft_len"], draft_len)
                 _bump(d["rule"], RULE_NAMES.get(int(r.get("rule", -1)), str(r.get("rule"))))
+                _bump(d.setdefault("source", {}), r.get("source", "none"))
 
     def observe_step(self, step_ms: float) -> None:
         """One engine step of the worker took `step_ms` milliseconds."""
@@ -155,7 +158,7 @@ class DecoderCollector(Collector):
                     fam.add_metric([w, str(i)], float(v))
             yield fam
         fam = CounterMetricFamily("adapt_decisions",
-                                  "Per-row decisions by lever (steps, draft_len, rule) and chosen value.",
+                                  "Per-row decisions by lever (steps, draft_len, rule, source) and chosen value.",
                                   labels=["worker", "lever", "value"])
         for w, c in cs:
             for lever, table in sorted((c.get("decisions") or {}).items()):
