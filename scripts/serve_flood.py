@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         redis, args.redis_url, redis_dir = _start_redis()
     sampler = RssSampler()
     port = _free_port()
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app_args = {"target": args.target, "drafter": args.drafter, "redis_url": args.redis_url,
                     "num_threads": 1, "engine_options": {"max_batch": args.max_batch, "max_len": 512},
@@ -221,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop_event.set()
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
         if redis is not None:
             redis.terminate()
             redis.wait(10)
