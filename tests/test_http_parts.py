@@ -151,3 +151,35 @@ def test_router_picks_the_least_loaded_live_worker():
     for w in ("a", "b"):
         store.remove_worker(w)
     assert pick() in {"a", "b", "c"}  # no heartbeats at all (store restarted): route on local counts
+
+
+def test_the_guard_checks_keys_under_a_route_prefix_too():
+    """Mounted under a prefix (Serve's route_prefix sets root_path and keeps it in path), /v1
+    routes still need the key."""
+    import asyncio
+
+    from adapt.serving.auth import ApiKeys
+    from adapt.serving.limits import Admission, Guard, Limits
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    guard = Guard(app, ApiKeys(["k1"]), Admission(Limits()))
+    scope = {"type": "http", "method": "GET", "path": "/api/v1/models", "root_path": "/api", "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    assert not reached and sent[0]["status"] == 401
+    ok = dict(scope, headers=[(b"authorization", b"Bearer k1")])
+    asyncio.run(guard(ok, receive, send))
+    assert reached == ["/api/v1/models"]
+    asyncio.run(guard(dict(scope, path="/api/health"), receive, send))  # /health stays open
+    assert reached[-1] == "/api/health"

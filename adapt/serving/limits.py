@@ -134,6 +134,9 @@ class Guard:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix (a Serve route_prefix): match the app's own path
+            path = path[len(root):] or "/"
         if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
