@@ -95,6 +95,42 @@ class EngineConfig:
     suffix: bool = True
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What a decode step decided per row, on the host: `steps` (s; `SUFFIX` = a suffix draft; 0 =
+    none), `draft_len` (k verified), `rule` and its parameters `param`, `param2`."""
+
+    steps: list[int]
+    draft_len: list[int]
+    rule: list[int]
+    param: list[float]
+    param2: list[float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a decode step produced per row, read back in its one host sync: the `tokens` emitted,
+    drafts `accepted`, `tvd` spent, `accept_per_position` (None when no draft was verified: the
+    counters did not change) and, when tracing, `features` (confidence, entropy, margin: 3 K
+    values)."""
+
+    tokens: list[list[int]]
+    accepted: list[int]
+    tvd: list[float]
+    accept_per_position: list[list[float]] | None
+    features: list[list[float]]
+
+    @classmethod
+    def unpack(cls, host: list[list[float]], Tq: int, Kc: int, feature_width: int) -> "StepResult":
+        """Parse the packed host rows of `_verify_commit` / `_sample_next`: per row [tokens (Tq),
+        accepted, emitted, tvd, (accept_per_position (Kc), positions verified if Kc), features]."""
+        base = Tq + 3 + (Kc + 1 if Kc else 0)
+        return cls(tokens=[[int(t) for t in row[: int(row[Tq + 1])]] for row in host],
+                   accepted=[int(row[Tq]) for row in host], tvd=[row[Tq + 2] for row in host],
+                   accept_per_position=[row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])] for row in host] if Kc else None,
+                   features=[row[base : base + feature_width] for row in host])
+
+
 @dataclass(eq=False)  # compared by identity
 class _Request:
     request_id: str
@@ -414,6 +450,7 @@ class Engine:
         # maker that answers with CPU tensors, as StaticDecisions does)
         k_host, rule_host, p1_host, p2_host = torch.stack([k.double(), rule.double(), param.double(), param2.double()]).tolist()
         k_host, rule_host = [int(x) for x in k_host], [int(x) for x in rule_host]
+        plan = StepPlan(s_host, k_host, rule_host, p1_host, p2_host)
 
         # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
         kmax = max(k_host)
@@ -432,7 +469,8 @@ class Engine:
             host, Kc = self._verify_commit(logits, drafts, q_full, k_host, rule_host, k, rule, param, param2,
                                            temp, top_k, top_p, (conf, ent, margin) if tracing else ())
         now = time.perf_counter()
-        return self._conclude(rows, host, Tq, Kc, s_host, k_host, rule_host, p1_host, p2_host, t0, t_draft, now)
+        result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
+        return self._conclude(rows, plan, result, t0, t_draft, now)
 
     def _decode_plain(self, rows: RowState, t0: float) -> list[RequestOutput]:
         """The decode step when no row drafts (every s = 0; autoregressive decoding): one target
@@ -456,45 +494,42 @@ class Engine:
         rule_host = [int(Rule.REJECTION if r.params.temperature > 0 else Rule.GREEDY) for r in run]
         zero = [0] * B
         now = time.perf_counter()
-        return self._conclude(rows, host, 1, 0, zero, zero, rule_host, zero, zero, t0, t0, now)
+        plan = StepPlan(zero, zero, rule_host, [0.0] * B, [0.0] * B)
+        result = StepResult.unpack(host, 1, 0, 3 * self.width if feats else 0)
+        return self._conclude(rows, plan, result, t0, t0, now)
 
-    def _conclude(self, rows, host, Tq, Kc, s_host, k_host, rule_host, p1_host, p2_host, t0, t_draft, now):
+    def _conclude(self, rows, plan: StepPlan, result: StepResult, t0, t_draft, now):
         """The host side of a decode step, after its one host read: advance each row by its
         accepted drafts + 1, emit its tokens, apply stop conditions, write trace records, tell the
-        decision maker, free finished slots. host: one row per request as `_verify_commit` packs it
-        (Tq target positions, Kc counter width: 0 = the counters did not change)."""
+        decision maker, free finished slots."""
         run, K, B = self.running, self.width, len(self.running)
-        n = sum(k_host)
+        n = sum(plan.draft_len)
         tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
-        for i, (req, row) in enumerate(zip(run, host)):
-            ai, ne, tvd_i = int(row[Tq]), int(row[Tq + 1]), row[Tq + 2]
-            new = list(map(int, row[:ne]))
-            kk = k_host[i]
+        for i, req in enumerate(run):
+            ai, tvd_i, new = result.accepted[i], result.tvd[i], result.tokens[i]
+            kk, s_i, rule_i = plan.draft_len[i], plan.steps[i], plan.rule[i]
             req.passes += 1
             req._ema_before = req.recent_accept
             req.accepted += ai
             req.verified += kk
             req.tvd += tvd_i
             req.recent_accept = next_recent_accept(req.recent_accept, ai, kk)
-            if Kc:  # else no draft was verified: the counters, hence accept_per_position, did not change
-                req.apos = row[Tq + 3 : Tq + 3 + int(row[Tq + 3 + Kc])]
-            req.last_knobs = (s_host[i], kk, rule_host[i])
+            if result.accept_per_position is not None:  # else the counters did not change
+                req.apos = result.accept_per_position[i]
+            req.last_knobs = (s_i, kk, rule_i)
             req.length += ai + 1
             if tracing:
-                base = Tq + 3 + (Kc + 1 if Kc else 0)
-                records.append(self._record(req, i, row[base : base + 3 * K], K, s_host[i], kk, rule_host[i],
-                                            p1_host[i], p2_host[i], ai, tvd_i, t0, t_draft, now, B, n + B))
+                records.append(self._record(req, i, result.features[i], K, s_i, kk, rule_i, plan.param[i],
+                                            plan.param2[i], ai, tvd_i, t0, t_draft, now, B, n + B))
             reason = self._emit(req, new, now)
             outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, self._stats(req)))
             if reason is not None:
                 done.append(i)
         if tracing:
             self.trace_sink.write(records)
-        acc_host = [int(row[Tq]) for row in host]
-        tvd_host = [row[Tq + 2] for row in host]
-        self.decisions.observe(rows, StepOutcome(torch.tensor(acc_host), torch.tensor(k_host), torch.tensor(tvd_host),
-                                                 now - t0, n + B))
+        self.decisions.observe(rows, StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len),
+                                                 torch.tensor(result.tvd), now - t0, n + B))
         self.step_count += 1
         self._release(done)
         return outputs
