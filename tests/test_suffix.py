@@ -155,3 +155,12 @@ def test_adaptive_policy_declines_suffix_drafts_when_every_slot_costs_a_step(pai
         assert dear[f"r{i}"] == plain[f"r{i}"]
         assert dear[f"r{i}:stats"]["verified"] == 0  # a slot costs as much as a step: nothing pays
     assert set(dear["sources"]) == {"none"}
+
+
+def test_without_global_memory_a_request_copies_only_its_own_text(target):
+    engine = Engine(EngineConfig(target=target, drafter=None, dtype="float32", max_batch=2, max_len=64,
+                                 suffix_global_tokens=0))
+    engine.suffix.finish([1, 2, 3, 4, 5, 6, 7, 8])
+    assert engine.suffix.recent.index.size == 0
+    index = engine.suffix.new_index([9, 1, 2])
+    assert len(engine.suffix.propose(index).tokens) == 0

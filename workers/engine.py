@@ -81,7 +81,10 @@ class EngineConfig:
     bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
     (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
     compile on the spot); suffix: keep a suffix drafter (workers/suffix.py) so that rows may
-    draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`)."""
+    draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`);
+    suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
+    requests' drafts (0 = only a request's own text: no request's speed then depends on what
+    another request generated)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -93,6 +96,7 @@ class EngineConfig:
     shape_aware_linear: bool = True
     compile: bool | str = False
     suffix: bool = True
+    suffix_global_tokens: int = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ class Engine:
             self.capture = tuple(self.drafter.config.target_layer_ids)
         # the widest draft verified: the drafter's block, or the suffix drafter's cap without one
         self.width = self.block or (SUFFIX_WIDTH if config.suffix else 0)
-        self.suffix = SuffixDrafter(SuffixConfig(max_draft=self.width)) if config.suffix else None
+        self.suffix = (SuffixDrafter(SuffixConfig(max_draft=self.width, global_tokens=config.suffix_global_tokens))
+                       if config.suffix else None)
         cap = self.max_len + self.width + 1  # room for speculative writes past max_len
         self.tcache = self.target.new_cache(config.max_batch, cap)
         # target_forward(ids, start, cache, row0, width, logits_index=None, start_value=None):
