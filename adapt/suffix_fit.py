@@ -44,3 +44,79 @@ def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_REC
         report["buckets"].append({"match": lo, "records": n, "accept": round(c, 4), "fitted": n >= min_records})
     accept = np.maximum.accumulate(np.asarray(accept)).clip(0.0, 0.999).tolist()
     return {"match": list(edges), "accept": [round(c, 4) for c in accept]}, report
+
+
+def collect_suffix_traces(target, prompts: list[list[int]], max_tokens: int, batch: int = 8,
+                          dtype: str = "auto") -> list[dict]:
+    """Trace records of static suffix drafting (every row drafts its full suffix draft, greedy) on
+    `prompts` (token ids), through the real engine without a drafter."""
+    from workers.engine import Engine, EngineConfig
+    from workers.request import DecodeKnobs, SamplingParams
+    from workers.traces import ListTraceSink
+
+    sink = ListTraceSink()
+    longest = max(map(len, prompts))
+    engine = Engine(EngineConfig(target=str(target), drafter=None, dtype=dtype, max_batch=batch,
+                                 max_len=longest + max_tokens + 32), trace_sink=sink)
+    knobs = DecodeKnobs(draft_len=engine.width, source="suffix")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        while pending and engine.free_slots > len(engine.waiting):
+            i, ids = pending.pop(0)
+            engine.add_request(f"fit-{i}", ids, params, knobs)
+        engine.step()
+    return sink.records
+
+
+def main(argv=None) -> int:
+    """Collect suffix-draft traces on training-split prompts of a pair and write the fitted table
+    into its policy file (settings.suffix_accept; a new version of the file)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("--pair", default="smollm2")
+    p.add_argument("--policy-file", type=Path, required=True, help="the policy file to update")
+    p.add_argument("--workloads", default="chat,code,edit")
+    p.add_argument("--count", type=int, default=24, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--traces", type=Path, default=None, help="also write the traces here (JSON Lines)")
+    args = p.parse_args(argv)
+    import torch
+
+    from adapt.bench.workloads import make_workload
+    from adapt.policy_file import load, save
+    from workers.chat import chat_prompt_ids
+    from workers.pairs import get_pair
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pair = get_pair(args.pair)
+    pair.prepare()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pair.target))
+    prompts = [chat_prompt_ids(tok, w["messages"]) for name in args.workloads.split(",")
+               for w in make_workload(name, args.count, seed=1, split="train")]
+    records = collect_suffix_traces(pair.target, prompts, args.max_tokens)
+    if args.traces:
+        args.traces.parent.mkdir(parents=True, exist_ok=True)
+        args.traces.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table, report = fit_suffix_accept(TraceTable.from_records(records))
+    if table is None:
+        raise SystemExit("no suffix drafts in the collected traces")
+    policy = load(args.policy_file)
+    policy.settings = dict(policy.settings, suffix_accept=table)
+    policy.version, policy.created = "", 0.0  # a new version
+    policy.report = dict(policy.report, suffix=dict(report, workloads=args.workloads, count=args.count,
+                                                     max_tokens=args.max_tokens, split="train"))
+    version = save(policy, args.policy_file)
+    print(json.dumps({"suffix_accept": table, "records": report["records"], "version": version}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

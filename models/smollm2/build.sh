@@ -8,7 +8,9 @@
 #   4. evaluate tau on held-out chat prompts through the engine (workers/training/chat_eval.py; the
 #      shipped eval.json adds s = 1 at T = 1: --steps 1 --temperatures 1, merged by hand)
 #   5. collect traces, fit and benchmark the policy (adapt bench policies), ship policy.json
-#   6. write MANIFEST.json (hashes, commands)
+#   6. fit the suffix-draft acceptance by match length on training-split chat / code / edit prompts
+#      (adapt/suffix_fit.py; static suffix drafting through the engine) into policy.json's settings
+#   7. write MANIFEST.json (hashes, commands)
 # RESUME=1 continues an interrupted harvest (finished shards are kept) and training (checkpoint).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,5 +28,6 @@ $PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/dr
 $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out models/smollm2/heldout_prompts.jsonl
 $PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies-smollm2 --seed 0
 cp results/policies-smollm2/policy.json models/smollm2/policy.json
+$PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 16 --max-tokens 96 --threads 2
 rm -rf models/smollm2/drafter/checkpoint
 $PY -m workers.training.manifest --root models/smollm2 --build models/smollm2/build.sh
