@@ -54,3 +54,17 @@ def test_policy_fit_stores_the_table_and_the_policy_reads_it(tmp_path):
     save(pf, path)
     policy = build_policy("adaptive", str(path))
     assert policy.suffix_accept["accept"][EDGES.index(12)] > 0.8
+
+
+def test_collected_traces_through_the_engine_fit_a_table(tmp_path):
+    from adapt.suffix_fit import collect_suffix_traces
+    from tests.tiny_models import make_tiny_target
+
+    target = make_tiny_target(tmp_path / "t", vocab=16, seed=4)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 1, 2, 7, 1], [9, 9, 9, 2]] * 4
+    records = collect_suffix_traces(target, prompts, max_tokens=24, batch=4, dtype="float32")
+    suffix = [r for r in records if r["source"] == "suffix"]
+    assert suffix and all(r["steps"] == -1 and r["suffix_match"] >= 2 for r in suffix)
+    table, report = fit_suffix_accept(TraceTable.from_records(records), min_records=5)
+    assert table is not None and report["records"] == len(suffix)
+    assert any(b["fitted"] for b in report["buckets"])
