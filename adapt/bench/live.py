@@ -4,31 +4,112 @@
 (a finished request is replaced by the next one), with each request's `RequestTargets` passed to
 the engine, and measures what a client sees: tokens, wall time, per-request TPOT (time between its
 first and last token divided by the tokens after the first) and TTFT, TVD spent and τ from the
-engine's per-request stats, and the policy's own decision time. `collect_traces` runs the
-`explore` policy the same way with a trace sink, which is how the bench gets replayable traces.
+engine's per-request stats, the policy's own decision time, and where the rows' drafts came from
+(``source_share``: the share of decode row-steps that verified no draft, a diffusion draft or a
+suffix draft). `collect_traces` runs the `explore` policy the same way with a trace sink, which is
+how the bench gets replayable traces.
+
+`KnobsBaseline` is a decision maker with fixed knobs for every row (the engine's own
+`StaticDecisions` on them): ``KnobsBaseline("ar", draft_len=0)`` never drafts,
+``KnobsBaseline("suffix", source="suffix", draft_len=engine.width)`` drafts every row from the
+suffix drafter (workers/suffix.py) where it has a draft. `run_live` gives the requests these knobs,
+and the same object runs in the trace replay (`adapt.replay`; suffix drafts cannot be replayed).
+
+The suffix drafter remembers finished outputs (its global index): `run_live` starts every run
+with an empty one (``fresh_suffix=True``), so that no run copies what an earlier run produced for
+the same prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
 from adapt.replay import Scenario
 
 
+class KnobsBaseline:
+    """Fixed knobs for every row (``DecodeKnobs`` fields as keywords: ``draft_len``, ``steps``,
+    ``source``), each row keeping its own quality and commit order; decisions by
+    `workers.decisions.StaticDecisions` on those knobs, timed like a `policies.base.Policy`."""
+
+    reads_draft_features = False
+
+    def __init__(self, name: str, **knobs):
+        from workers.decisions import StaticDecisions
+        from workers.request import DecodeKnobs
+
+        allowed = {f.name for f in dataclasses.fields(DecodeKnobs)} - {"quality", "commit_order"}
+        bad = sorted(set(knobs) - allowed)
+        if bad:
+            raise ValueError(f"KnobsBaseline: {bad[0]!r} is not a knob it fixes (one of {sorted(allowed)})")
+        DecodeKnobs(**knobs)  # validates the values
+        self.name, self.knobs = name, dict(knobs)
+        self.reads_suffix = knobs.get("source") == "suffix"
+        self._static = StaticDecisions()
+        self._mapped: dict = {}
+        self.decision_s, self.steps_decided = 0.0, 0
+
+    def apply(self, knobs):
+        """A request's knobs with this baseline's fixed ones."""
+        out = self._mapped.get(knobs)
+        if out is None:
+            out = self._mapped[knobs] = dataclasses.replace(knobs, **self.knobs)
+        return out
+
+    def _rows(self, rows):
+        return dataclasses.replace(rows, knobs=[self.apply(k) for k in rows.knobs])
+
+    def choose_steps(self, rows):
+        t0 = time.thread_time()
+        steps = self._static.choose_steps(self._rows(rows))
+        self.decision_s += time.thread_time() - t0
+        self.steps_decided += 1
+        return steps
+
+    def choose_verify(self, rows, draft):
+        t0 = time.thread_time()
+        dec = self._static.choose_verify(self._rows(rows), draft)
+        self.decision_s += time.thread_time() - t0
+        return dec
+
+    def observe(self, rows, outcome) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"policy": self.name, "steps_decided": self.steps_decided,
+                "decision_ms_per_step": 1e3 * self.decision_s / max(self.steps_decided, 1)}
+
+
+def reset_suffix_memory(engine) -> None:
+    """Forget the outputs the engine's suffix drafter remembers (a no-op without one)."""
+    if getattr(engine, "suffix", None) is not None:
+        from workers.suffix import SuffixDrafter
+
+        engine.suffix = SuffixDrafter(engine.suffix.config)
+
+
 def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, seed: int = 0,
-             trace_sink=None) -> dict:
-    """Serve ``scenario`` through ``engine`` with ``policy`` deciding; returns metrics."""
+             trace_sink=None, fresh_suffix: bool = True) -> dict:
+    """Serve ``scenario`` through ``engine`` with ``policy`` deciding; returns metrics.
+
+    A policy with an ``apply(knobs)`` method (`KnobsBaseline`) sets the requests' knobs;
+    ``fresh_suffix``: start with an empty suffix-drafter memory (see the module docstring)."""
     from workers.request import DecodeKnobs, SamplingParams
 
     if engine.has_unfinished():
         raise RuntimeError("run_live: the engine still has requests")
+    if fresh_suffix:
+        reset_suffix_memory(engine)
     engine.decisions = policy
     engine.trace_sink = trace_sink
     K = engine.block
+    apply = getattr(policy, "apply", None)
     queue = deque(enumerate(scenario.requests))
     live: dict[str, dict] = {}
     done: list[dict] = []
+    sources = {"none": 0, "diffusion": 0, "suffix": 0}
     tag = f"{getattr(policy, 'name', 'p')}-c{scenario.concurrency}-{time.monotonic_ns() % 10**9}"
     t_start = time.perf_counter()
     while queue or engine.has_unfinished():
@@ -36,6 +117,8 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
             i, spec = queue.popleft()
             rid = f"{tag}-{i}"
             knobs = DecodeKnobs(steps=1, draft_len=K, quality=str(spec.targets.quality), commit_order=spec.commit_order)
+            if apply is not None:
+                knobs = apply(knobs)
             params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=seed * 100003 + i,
                                     ignore_eos=True)
             engine.add_request(rid, prompts[i % len(prompts)], params, knobs, targets=spec.targets)
@@ -46,6 +129,10 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
             if out.new_token_ids:
                 if st["t_first"] is None:
                     st["t_first"] = now
+                else:  # a decode step (the first token comes from the prefill)
+                    src = out.stats.get("source_used")
+                    if src in sources:
+                        sources[src] += 1
                 st["t_last"] = now
                 st["tokens"] += len(out.new_token_ids)
             if out.finished:
@@ -67,10 +154,12 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
         tvd += float(d["stats"].get("tvd_spent", 0.0))
         passes += int(d["stats"].get("target_passes", 1))
     stats = policy.stats() if hasattr(policy, "stats") else {}
+    row_steps = max(sum(sources.values()), 1)
     return {"goodput_tok_s": tokens / max(wall, 1e-9), "sla_attainment": met / max(len(done), 1),
             "tau": tokens / max(passes, 1), "tvd_spent_per_token": tvd / max(tokens, 1),
             "decision_ms_per_step": stats.get("decision_ms_per_step", float("nan")),
-            "tokens": tokens, "requests": len(done), "wall_s": wall}
+            "tokens": tokens, "requests": len(done), "wall_s": wall,
+            "source_share": {k: v / row_steps for k, v in sources.items()}}
 
 
 def collect_traces(engine, scenario: Scenario, prompts, sink, *, steps_grid=(1, 2), seed: int = 0) -> dict:
