@@ -29,16 +29,16 @@ denoising) are decided by a per-row threshold instead: position ``j`` is verifie
 ``w_r a_{r,j} ≥ λ``, with ``λ`` fixed before drafting, so that the decision at ``j`` reads only
 positions ``≤ j`` (non-anticipating).
 
-Suffix drafts (every step, over the plan): a row whose suffix draft (workers/suffix.py: tokens
-copied from text it has seen, free to make) is worth more than its planned choice takes it. With
-``c`` the per-token acceptance of a suffix draft of its match length (`suffix_accept`: a table
-fitted on traces, `adapt.predictor.fit_suffix_accept`; ``m / (m + 3)`` without one), verifying
-its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens and costs ``k`` more verified slots, each
-worth ``Θ · Δms`` tokens (Θ: the batch's recent tokens per ms, Δms: the cost model's marginal
-ms of a verified slot). The row takes the best ``k`` when its net win beats its planned
-choice's (no draft: 0; a diffusion draft: its expected extra tokens net of its slots). On a
-GPU, where slots are nearly free, every suffix draft that may be accepted is verified; on a
-CPU, only long, confident matches pay.
+Suffix drafts (every step, over the plan): rows may take their suffix draft (workers/suffix.py:
+tokens copied from text they have seen, free to make). With ``c`` the per-token acceptance of a
+suffix draft of its match length (`suffix_accept`: a table fitted on traces, adapt/suffix_fit.py;
+``m / (m + 3)`` without one), verifying its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens. The
+target verifies the batch padded to its longest row, so the policy picks one cap ``k_c`` for the
+batch: every row whose suffix draft beats its plan fills up to ``k_c`` slots, and ``k_c``
+maximises the batch's weighted tokens per ms under the cost model (slots within the plan's own
+padding are free; ``k_c = 0`` keeps the plan). On a GPU, where slots are nearly free, long caps
+win; on a CPU, only batches with long, confident matches pay, and at larger batches every extra
+slot costs a full row each, so the cap shrinks to 0.
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ class AdaptivePolicy(Policy):
         if B == 0 or K == 0:
             return torch.zeros(B, dtype=torch.int64)
         if not getattr(rows, "has_drafter", True):  # suffix drafts only (an engine without a drafter)
-            steps, extra = torch.zeros(B, dtype=torch.int64), torch.zeros(B)
+            steps, extra, toks = torch.zeros(B, dtype=torch.int64), torch.zeros(B), torch.ones(B)
         elif len(self.steps_grid) == 1 and not self.allow_no_draft:
-            steps, extra = torch.full((B,), self.steps_grid[0], dtype=torch.int64), torch.full((B,), float("inf"))
+            steps = torch.full((B,), self.steps_grid[0], dtype=torch.int64)
+            extra, toks = torch.full((B,), float("inf")), torch.full((B,), float(K + 1))
         else:
             # the step plan moves slowly (recent acceptance, lateness): re-plan every few steps
             # while the batch keeps the same requests
@@ -121,9 +122,9 @@ class AdaptivePolicy(Policy):
                 self._plan = (key, self._plan[1] + 1, *self._plan[2:])
             else:
                 self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
-            steps, extra = self._plan[2], self._plan[3]
+            steps, extra, toks = self._plan[2], self._plan[3], self._plan[4]
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
-            steps = self._take_suffix(rows, ctx, steps, extra)
+            steps = self._take_suffix(rows, ctx, steps, extra, toks)
         return steps
 
     @property
@@ -131,10 +132,17 @@ class AdaptivePolicy(Policy):
         """The engine computes suffix drafts for this policy (workers/decisions.py)."""
         return self.use_suffix
 
-    def _take_suffix(self, rows, ctx, steps: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    def _take_suffix(self, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
         """Rows whose suffix draft beats their planned choice take it (see the module docstring).
-        steps [B]: the plan; extra [B]: the plan's net expected win of each row in tokens (0 for
-        rows without a draft). Sets ``_suffix_k`` [B]."""
+        steps [B]: the plan; extra [B]: the expected extra tokens of each row's planned draft (0
+        for rows without one); toks [B]: the plan's verified positions per row. Sets
+        ``_suffix_k`` [B].
+
+        The target verifies the batch padded to its longest row (``B · (k_max + 1)`` positions), so
+        the choice is one cap ``k_c`` for the batch: every row with a suffix draft fills up to
+        ``k_c`` slots, and ``k_c`` maximises the batch's weighted tokens per ms
+        ``(E_plan + Σ_r w_r · max(0, win_r(k_c) − extra_r)) / step_ms(B · (max(k_c, k_plan) + 1))``
+        (slots up to the plan's own padding are free)."""
         from workers.decisions import SUFFIX
 
         B = len(rows.request_ids)
@@ -143,14 +151,22 @@ class AdaptivePolicy(Policy):
         c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())              # [B]
         j = torch.arange(1, Ks + 1, dtype=torch.float32)                               # [Ks]
         win = ((c[:, None] ** j[None]) * (j[None] <= n[:, None])).cumsum(1)            # [B, Ks] Σ_{j≤k} c^j
-        tokens = float(B)
-        slot_ms = max(self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens), 0.0) / 8.0
-        theta = self.throughput if self.throughput > 0 else B / max(self.cost.step_ms_at(tokens), 1e-6)
+        win = torch.cat([torch.zeros(B, 1), win], 1)                                   # [B, Ks + 1], k_c = 0..Ks
         w = self.weights(ctx).cpu()                                                    # [B]
-        net = w[:, None] * win - theta * float(w.mean()) * slot_ms * j[None]          # [B, Ks]
-        best, k = net.max(1)
-        take = (n > 0) & (best > 0) & (best > extra.clamp(min=0) * w)
-        self._suffix_k = torch.where(take, k + 1, torch.zeros_like(k))
+        gain = w[:, None] * (win - extra.clamp(min=0)[:, None]).clamp(min=0)           # [B, Ks + 1]
+        k_plan = int(toks.max()) - 1 if B else 0
+        rpp = rows_per_pass(steps)
+        kc = torch.arange(Ks + 1)
+        padded = B * (torch.maximum(kc, torch.tensor(k_plan)) + 1)
+        ms = torch.tensor([self.cost.step_ms_at(float(t), rpp) for t in padded.tolist()])  # [Ks + 1]
+        planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
+        value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
+        best = int(torch.argmax(value))
+        if best == 0 or value[best] <= value[0] * (1.0 + 1e-6):
+            self._suffix_k = torch.zeros(B, dtype=torch.int64)
+            return steps
+        take = (gain[:, best] > 0) & (n > 0)
+        self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
 
     def _with_suffix(self, decision, rows, draft):
@@ -167,9 +183,9 @@ class AdaptivePolicy(Policy):
         return make_verify_decision(k, rule, torch.where(suffix, zero, decision.param), rows,
                                     torch.where(suffix, zero, decision.param2))
 
-    def _plan_steps(self, rows, ctx, B: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(steps [B], net expected win [B] of each row's choice in tokens: its expected extra
-        tokens minus what its verified slots could have bought; 0 for rows without a draft)."""
+    def _plan_steps(self, rows, ctx, B: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(steps [B], expected extra tokens [B] of each row's planned draft (0 for rows without
+        one), planned verified positions [B] (bonus included))."""
         dev = rows.temperature.device
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
@@ -218,11 +234,8 @@ class AdaptivePolicy(Policy):
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
         steps = torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
-        tokens = float(cur_tok.sum())
-        slot_ms = max(self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens), 0.0) / 8.0
-        theta = float(cur_gain.sum()) / max(self.cost.step_ms_at(tokens) + fixed_draft, 1e-6)
-        extra = torch.where(level >= 0, (cur_gain - w) / w - theta * slot_ms * (cur_tok - 1.0), torch.zeros_like(w))
-        return steps, extra.cpu()
+        extra = torch.where(level >= 0, (cur_gain - w) / w, torch.zeros_like(w))
+        return steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu()
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
         """[B] recent acceptance as the prior should read it: the class's typical value for rows

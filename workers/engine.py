@@ -508,7 +508,7 @@ class Engine:
         accepted drafts + 1, emit its tokens, apply stop conditions, write trace records, tell the
         decision maker, free finished slots."""
         run, K, B = self.running, self.width, len(self.running)
-        n = sum(plan.draft_len)
+        padded = B * (max(plan.draft_len) + 1)  # positions in the target forward: rows padded to the longest
         tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
         for i, req in enumerate(run):
@@ -526,7 +526,7 @@ class Engine:
             req.length += ai + 1
             if tracing:
                 records.append(self._record(req, i, result.features[i], K, s_i, kk, rule_i, plan.param[i],
-                                            plan.param2[i], ai, tvd_i, t0, t_draft, now, B, n + B))
+                                            plan.param2[i], ai, tvd_i, t0, t_draft, now, B, padded))
             reason = self._emit(req, new, now)
             outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, self._stats(req)))
             if reason is not None:
@@ -534,7 +534,7 @@ class Engine:
         if tracing:
             self.trace_sink.write(records)
         self.decisions.observe(rows, StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len),
-                                                 torch.tensor(result.tvd), now - t0, n + B))
+                                                 torch.tensor(result.tvd), now - t0, padded))
         self.step_count += 1
         self._release(done)
         return outputs
