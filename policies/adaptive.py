@@ -63,6 +63,11 @@ class AdaptivePolicy(Policy):
         self.use_suffix = bool(use_suffix)
         self.suffix_accept = check_suffix_accept(suffix_accept)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
+        # measured / predicted step time of steps that widened the batch for suffix drafts and of
+        # steps that kept the plan (EMAs): the cost model's table misses what grows with context
+        # length and rows (attention over long prompts, acceptance), so the choice corrects it
+        self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
+        self._suffix_pred = None  # (predicted ms, widened?) of this step's choice
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
             raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
@@ -158,16 +163,34 @@ class AdaptivePolicy(Policy):
         rpp = rows_per_pass(steps)
         kc = torch.arange(Ks + 1)
         padded = B * (torch.maximum(kc, torch.tensor(k_plan)) + 1)
-        ms = torch.tensor([self.cost.step_ms_at(float(t), rpp) for t in padded.tolist()])  # [Ks + 1]
+        raw = torch.tensor([self.cost.step_ms_at(float(t), rpp) for t in padded.tolist()])  # [Ks + 1]
+        wide = kc > k_plan
+        ratio = self.suffix_cost_ratio
+        ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
         best = int(torch.argmax(value))
         if best == 0 or value[best] <= value[0] * (1.0 + 1e-6):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
+            self._suffix_pred = (float(raw[0]), False)
             return steps
+        self._suffix_pred = (float(raw[best]), bool(wide[best]))
         take = (gain[:, best] > 0) & (n > 0)
         self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
+
+    def observe(self, rows, outcome) -> None:
+        super().observe(rows, outcome)
+        if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
+            from policies.base import outcome_ms
+
+            predicted, wide = self._suffix_pred
+            self._suffix_pred = None
+            measured = outcome_ms(outcome)
+            if predicted > 0 and measured > 0:
+                key = "wide" if wide else "plan"
+                r = min(max(measured / predicted, 0.25), 4.0)
+                self.suffix_cost_ratio[key] = 0.8 * self.suffix_cost_ratio[key] + 0.2 * r
 
     def _with_suffix(self, decision, rows, draft):
         """The verify decision with suffix rows' draft lengths (chosen in `_take_suffix`) and exact rules."""

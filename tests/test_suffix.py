@@ -164,3 +164,30 @@ def test_without_global_memory_a_request_copies_only_its_own_text(target):
     assert engine.suffix.recent.index.size == 0
     index = engine.suffix.new_index([9, 1, 2])
     assert len(engine.suffix.propose(index).tokens) == 0
+
+
+def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
+    """The suffix choice's cost is corrected online by measured / predicted step times: when
+    widened steps keep taking 4x their prediction, the policy stops widening."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState, StepOutcome
+
+    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
+    B = 4
+    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
+                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+    assert (policy.choose_steps(rows) == SUFFIX).all()  # long confident matches, cheap slots: widen
+    for _ in range(30):
+        steps = policy.choose_steps(rows)
+        k = int(policy._suffix_k.max())
+        predicted = policy.cost.step_ms_at(float(B * (k + 1)))
+        slow = 4.0 if k > 0 else 1.0  # widened steps take 4x their prediction, plain ones as predicted
+        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
+                                         slow * predicted / 1e3, B * (k + 1)))
+    assert (policy.choose_steps(rows) == 0).all() and policy.suffix_cost_ratio["wide"] > 1.3
