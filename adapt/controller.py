@@ -76,6 +76,7 @@ class AdaptiveSettings(_Settings):
     idle_decay: float = Field(default=None)
     no_draft_margin: float = Field(default=None)
     use_suffix: bool = Field(default=None)
+    suffix_margin: float = Field(default=None)
     suffix_accept: SuffixAcceptTable = Field(default=None)
 
 

@@ -58,9 +58,13 @@ class AdaptivePolicy(Policy):
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
-                 use_suffix: bool = True, suffix_accept: dict | None = None, **kwargs):
+                 use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.05,
+                 **kwargs):
         super().__init__(**kwargs)
         self.use_suffix = bool(use_suffix)
+        if suffix_margin < 0:
+            raise ValueError(f"suffix_margin: must be >= 0, got {suffix_margin!r}")
+        self.suffix_margin = float(suffix_margin)
         self.suffix_accept = check_suffix_accept(suffix_accept)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
         # measured / predicted step time of steps that widened the batch for suffix drafts and of
@@ -163,14 +167,15 @@ class AdaptivePolicy(Policy):
         rpp = rows_per_pass(steps)
         kc = torch.arange(Ks + 1)
         padded = B * (torch.maximum(kc, torch.tensor(k_plan)) + 1)
-        raw = torch.tensor([self.cost.step_ms_at(float(t), rpp) for t in padded.tolist()])  # [Ks + 1]
+        raw = self.cost.step_ms(padded.double(), torch.tensor(rpp) if rpp else None).float().reshape(-1)  # [Ks + 1]
         wide = kc > k_plan
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
         best = int(torch.argmax(value))
-        if best == 0 or value[best] <= value[0] * (1.0 + 1e-6):
+        # widening must be predicted `suffix_margin` better than the plan (the prediction is noisy)
+        if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
             self._suffix_pred = (float(raw[0]), False)
             return steps
