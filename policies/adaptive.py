@@ -151,7 +151,8 @@ class AdaptivePolicy(Policy):
         the choice is one cap ``k_c`` for the batch: every row with a suffix draft fills up to
         ``k_c`` slots, and ``k_c`` maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_r w_r · max(0, win_r(k_c) − extra_r)) / step_ms(B · (max(k_c, k_plan) + 1))``
-        (slots up to the plan's own padding are free)."""
+        (slots up to the plan's own padding are free; a diffusion row that switches no longer pays
+        its drafter passes)."""
         from workers.decisions import SUFFIX
 
         B = len(rows.request_ids)
@@ -163,12 +164,16 @@ class AdaptivePolicy(Policy):
         win = torch.cat([torch.zeros(B, 1), win], 1)                                   # [B, Ks + 1], k_c = 0..Ks
         w = self.weights(ctx).cpu()                                                    # [B]
         gain = w[:, None] * (win - extra.clamp(min=0)[:, None]).clamp(min=0)           # [B, Ks + 1]
-        k_plan = int(toks.max()) - 1 if B else 0
-        rpp = rows_per_pass(steps)
+        # per cap: diffusion rows whose suffix draft wins switch, and stop paying for drafter passes
         kc = torch.arange(Ks + 1)
-        padded = B * (torch.maximum(kc, torch.tensor(k_plan)) + 1)
-        raw = self.cost.step_ms(padded.double(), torch.tensor(rpp) if rpp else None).float().reshape(-1)  # [Ks + 1]
-        wide = kc > k_plan
+        diffusing = steps > 0
+        k_plan = int(toks.max()) - 1 if B else 0
+        raw, wide = torch.zeros(Ks + 1), torch.zeros(Ks + 1, dtype=torch.bool)
+        for c_ in range(Ks + 1):
+            stay = diffusing & ~(gain[:, c_] > 0)
+            k_stay = int(toks[stay].max()) - 1 if bool(stay.any()) else 0
+            raw[c_] = self.cost.step_ms_at(float(B * (max(c_, k_stay) + 1)), rows_per_pass(steps * stay))
+            wide[c_] = c_ > k_plan
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
