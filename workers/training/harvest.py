@@ -155,7 +155,7 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
     parts = [load_file(str(d / name)) for d, m in zip(dirs, metas) for name in m["shards"]]
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     meta = dict(metas[0])
-    meta["rows"] = sum(m["rows"] for m in metas)
+    meta["rows"] = len(data["tokens"])
     meta["sources"] = [str(d) for d in dirs]
     data["meta"] = meta
     return data
