@@ -45,7 +45,7 @@ from workers.decisions import (RECENT_NONE, SUFFIX, DecisionMaker, DraftFeatures
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities, race_sample
 from workers.linear import prepare_for_inference
-from workers.suffix import EMPTY as NO_SUFFIX_DRAFT, SuffixConfig, SuffixDrafter
+from workers.suffix import SuffixConfig, SuffixDrafter
 from workers.traces import TRACE_VERSION
 from workers.target_model import load_target, resolve_dtype
 
@@ -422,7 +422,7 @@ class Engine:
             drafts, conf = tok_s.to(dev), conf_s.to(dev)
         if self.block and max(s_host) > 0:
             drows = [i for i, s in enumerate(s_host) if s > 0]
-            sel = None if len(drows) == B and K == self.block else torch.tensor(drows, device=dev)
+            sel = None if len(drows) == B else torch.tensor(drows, device=dev)
             self._flush(drows)
             tok_d, q_d = self._draft(drows, sel, s_host, anchors, lengths, temp, top_k, top_p, l2r)
             if self._reads_features():
@@ -773,15 +773,12 @@ class Engine:
     def _row_state(self) -> RowState:
         run = self.running
         suffix = {}
-        if self._wants_suffix():
+        if self._wants_suffix():  # else no row may take a suffix draft this step (steps clamp to >= 0)
             for r in run:
                 r.suffix_draft = self.suffix.propose(r.suffix_index)
             suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
                           suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
                           suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]))
-        else:
-            for r in run:
-                r.suffix_draft = NO_SUFFIX_DRAFT
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
             position=torch.tensor([r.length for r in run]), generated=torch.tensor([len(r.output) for r in run]),

@@ -198,6 +198,11 @@ class SuffixDrafter:
         index.extend(prompt)
         return index
 
+    def forget_outputs(self) -> None:
+        """Drop every remembered output of finished requests (e.g. between benchmark runs, so
+        that a repeated prompt cannot copy its own earlier answer)."""
+        self.recent = RecentOutputs(self.config.global_tokens, self.config.max_candidates)
+
     def finish(self, output) -> None:
         """Remember a finished request's output for other requests' drafts."""
         self.recent.add(output)

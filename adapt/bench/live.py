@@ -85,9 +85,7 @@ class KnobsBaseline:
 def reset_suffix_memory(engine) -> None:
     """Forget the outputs the engine's suffix drafter remembers (a no-op without one)."""
     if getattr(engine, "suffix", None) is not None:
-        from workers.suffix import SuffixDrafter
-
-        engine.suffix = SuffixDrafter(engine.suffix.config)
+        engine.suffix.forget_outputs()
 
 
 def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, seed: int = 0,

@@ -209,11 +209,9 @@ class AdaptRunner:
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
         from workers.request import DecodeKnobs, SamplingParams
 
-        from workers.suffix import SuffixDrafter
-
         eng = self.engine
         if eng.suffix is not None:  # no memory of earlier runs' outputs
-            eng.suffix = SuffixDrafter(eng.suffix.config)
+            eng.suffix.forget_outputs()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if self.source == "suffix":
             knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")

@@ -34,15 +34,10 @@ MIN_LINES, MAX_LINES = 6, 28  # function sizes used by code and edit prompts
 @functools.lru_cache(maxsize=4)
 def _functions(seed: int, split: str = "heldout") -> tuple[tuple[str, ast.FunctionDef], ...]:
     """(source, node) of stdlib functions of `split` with MIN_LINES..MAX_LINES lines, shuffled."""
-    from workers.training.corpus import stdlib_files
+    from workers.training.chat_prompts import parsed_files
 
     found = []  # (cached: parsing a split's files takes seconds)
-    for path in stdlib_files(split):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
+    for _, source, tree in parsed_files(split):
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 text = textwrap.dedent(ast.get_source_segment(source, node) or "")

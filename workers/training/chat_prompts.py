@@ -65,16 +65,22 @@ def _tasks(module: str, source: str, node: ast.AST) -> list[str]:
     return tasks
 
 
-def make_prompts(split: str, count: int, seed: int = 0) -> list[list[dict]]:
-    """`count` chat conversations (one user message each) from stdlib files of `split`, seeded."""
-    root = stdlib_root()
-    pool: list[str] = []
+def parsed_files(split: str):
+    """(path, source, syntax tree) of every stdlib file of `split` that reads and parses."""
     for path in stdlib_files(split):
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+        yield path, source, tree
+
+
+def make_prompts(split: str, count: int, seed: int = 0) -> list[list[dict]]:
+    """`count` chat conversations (one user message each) from stdlib files of `split`, seeded."""
+    root = stdlib_root()
+    pool: list[str] = []
+    for path, source, tree in parsed_files(split):
         module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
