@@ -131,28 +131,6 @@ def test_metrics_route_per_app_registry_and_openmetrics():
     assert fams["adapt_drafts"].type == "counter" and fams["adapt_step_time_ms"].type == "histogram"
 
 
-def test_router_picks_the_least_loaded_live_worker():
-    import asyncio
-
-    from adapt.serving.router import ActorRouter
-    from adapt.serving.store import InProcessStore
-
-    store = InProcessStore()
-    router = ActorRouter({"a": object(), "b": object(), "c": object()}, store, refresh_s=0.0)
-    store.put_load("a", {"requests": 3}, ttl_s=10)
-    store.put_load("b", {"requests": 1}, ttl_s=10)
-    store.put_load("c", {"requests": 2}, ttl_s=10)
-    pick = lambda: asyncio.run(router.pick())  # noqa: E731
-    assert pick() == "b"
-    router.inflight["b"] = 5  # sent from here since b's last heartbeat
-    assert pick() == "c"
-    store.remove_worker("c")  # c's heartbeat expired: skipped while others beat
-    assert pick() == "a"
-    for w in ("a", "b"):
-        store.remove_worker(w)
-    assert pick() in {"a", "b", "c"}  # no heartbeats at all (store restarted): route on local counts
-
-
 def test_the_guard_checks_keys_under_a_route_prefix_too():
     """Mounted under a prefix (Serve's route_prefix sets root_path and keeps it in path), /v1
     routes still need the key."""

@@ -50,7 +50,12 @@ def test_adapt_serve_demo_pair_is_healthy_within_60_s(tmp_path):
             "temperature": 0})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] >= 1
-        assert "adapt serving adapt-demo" in log.read_text()
+        # Serve's proxy may answer before `adapt serve` has seen its application running and printed its line
+        while "adapt serving adapt-demo" not in log.read_text() and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert "adapt serving adapt-demo" in log.read_text(), log.read_text()[-3000:]
+        print(f"\nadapt serve --pair demo: healthy after {healthy:.1f} s, start-up line after "
+              f"{time.monotonic() - t0:.1f} s")
     finally:
         proc.send_signal(signal.SIGINT)
         try:

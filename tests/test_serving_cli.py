@@ -1,5 +1,6 @@
-"""`adapt serve` on its embedded defaults (own local Ray, in-process store in the controller) and
-`adapt policy push` through the controller actor, as subprocesses a user would run. The server
+"""`adapt serve` on its embedded defaults (own local Ray, the Serve application with the in-process
+store in its Controller) and `adapt policy push` through that Controller, as subprocesses a user
+would run. The server
 requires API keys (one from --api-key, one from ADAPT_API_KEY) and has a small request queue
 (--max-queue 2 beyond --max-batch 4), so a flood of clients meets 429s."""
 
@@ -43,8 +44,8 @@ def server(tmp_path_factory):
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"adapt serve exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+        try:  # Serve's proxy may answer a moment before `adapt serve` has printed its line
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and "adapt serving" in log.read_text():
                 break
         except httpx.HTTPError:
             pass
@@ -164,9 +165,9 @@ def test_a_flood_on_ray_gets_429s_and_the_accepted_requests_complete(server):
 
 
 def test_killing_the_controller_leaves_the_workers_on_their_policy(server):
-    """Runs last. Without --redis-url the controller actor hosts the state store: SIGKILL it and the
-    store's contents (load records, traces, policy history) and `adapt policy push` are gone, but
-    the workers keep decoding under the policy they run and the router routes on its own counts."""
+    """Runs last. Without --redis-url the Controller replica hosts the state store: SIGKILL it and the
+    store's contents (load records, traces, policy history) are gone (Serve starts a new, empty
+    one), but the workers keep decoding under the policy they run and Serve keeps routing."""
     import psutil
 
     url, _, proc = server
@@ -175,7 +176,7 @@ def test_killing_the_controller_leaves_the_workers_on_their_policy(server):
     version = ask().json()["adapt"]["policy_version"]
     assert version >= 1  # pushed by test_policy_push_through_the_controller
     controllers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if any(part.startswith("ray::Controller") for part in p.cmdline())]
+                   if any(part.startswith("ray::ServeReplica:adapt:Controller") for part in p.cmdline())]
     assert len(controllers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
     controllers[0].kill()
     controllers[0].wait(10)

@@ -38,8 +38,39 @@ def test_serve_config_is_valid_and_builds_the_app():
     assert (ingress.name, decoder.name) == ("Ingress", "Decoder") and ingress.init_args[2] == args["redis_url"]
     assert decoder.init_args[:3] == (args["target"], args["drafter"], args["redis_url"])
     assert decoder.init_args[4] == args["engine_options"] and decoder.init_args[4]["max_batch"] == 64
-    with pytest.raises(ValueError, match="redis_url"):
-        app_builder({"target": "/models/t"})
+    with pytest.raises(ValueError, match="target: required"):
+        app_builder({"redis_url": args["redis_url"]})
+    # without a redis_url (`adapt serve`'s default) the Controller hosts the store: the Decoder and
+    # the Ingress are handed its handle
+    local = app_builder({"target": "/models/t"})._bound_deployment
+    local_decoder = local.init_args[0]._bound_deployment
+    assert local.init_args[2] is None and local_decoder.init_args[2] is None
+    assert local_decoder.init_args[8]._bound_deployment.name == local.init_args[1]._bound_deployment.name == "Controller"
+
+
+def test_app_builder_takes_adapt_serve_options(tmp_path):
+    """What `adapt serve` hands the application: --max-queue beyond what the Decoder replicas run
+    (the Ingress's admission; the Decoder's own queue unbounded), and a start policy file checked
+    (naming the field) before anything is deployed, then given to the Controller."""
+    from adapt import policy_file
+    from adapt.serving.deployment import app_builder
+
+    args = {"target": "/models/t", "max_queue": 2, "decoder_options": {"num_replicas": 2, "max_ongoing_requests": 4}}
+    ingress = app_builder(args)._bound_deployment
+    decoder = ingress.init_args[0]._bound_deployment
+    assert ingress.init_args[-2:] == (10, 8)  # admits 2 x 4 running + 2 waiting
+    assert decoder._deployment_config.max_queued_requests == -1 and decoder._deployment_config.num_replicas == 2
+    assert ingress._deployment_config.max_ongoing_requests > 10
+    with pytest.raises(ValueError, match="max_queue: needs a fixed number of Decoder replicas"):
+        app_builder({"target": "/models/t", "max_queue": 2})
+    good = tmp_path / "policy.json"
+    policy_file.save(policy_file.PolicyFile(), good)
+    controller = app_builder({"target": "/models/t", "policy_file": str(good)})._bound_deployment.init_args[1]
+    assert controller._bound_deployment.init_args[1] == json.loads(good.read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(good.read_text().replace('"schema": "adapt-policy"', '"schema": "other"'))
+    with pytest.raises(policy_file.PolicyFileError, match="policy.schema"):
+        app_builder({"target": "/models/t", "policy_file": str(bad)})
 
 
 @pytest.fixture(scope="module")

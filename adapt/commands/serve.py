@@ -1,9 +1,11 @@
-"""`adapt serve`: the OpenAI-compatible server on local Ray with decoder workers and a controller.
+"""`adapt serve`: the OpenAI-compatible server, the serving application on Ray Serve.
 
-Defaults run everything on this machine: a local Ray, the `smollm2` pair (SmolLM2-135M-Instruct,
-pulled into the cache on first use; `--pair demo` for the pair in `models/demo/`), one decoder
-worker, and an in-process state store (hosted by the controller) unless `--redis-url` is given.
-On an existing Ray cluster use `--ray-address auto`, or the Ray Serve config in `deploy/`
+It runs the same application a cluster runs from `deploy/serve_config.yaml`
+(`adapt.serving.deployment.app_builder`: Decoder replicas, a Controller, the Ingress behind
+Serve's HTTP proxy). Defaults run everything on this machine: a local Ray, the `smollm2` pair
+(SmolLM2-135M-Instruct, pulled into the cache on first use; `--pair demo` for the pair in
+`models/demo/`), one decoder worker, and an in-process state store (hosted by the controller)
+unless `--redis-url` is given. `--ray-address auto` runs it on an existing Ray cluster
 (docs/serving.md).
 """
 
@@ -19,11 +21,11 @@ from workers.request import COMPILE_CHOICES
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (Ray workers + controller)")
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (Ray Serve: decoder workers + controller)")
     add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Ray actors)")
+    p.add_argument("--num-workers", type=int, default=1, help="decoder workers (Decoder replicas)")
     p.add_argument("--redis-url", default=None, help="Redis for load, policies and traces (default: in-process)")
     p.add_argument("--ray-address", default=None, help="join a running Ray cluster (e.g. 'auto')")
     p.add_argument("--policy", default="adaptive",
@@ -79,8 +81,8 @@ def serve_compile(choice: str) -> str:
 
 def run(args) -> int:
     import logging
-
-    import uvicorn
+    import signal
+    import time
 
     from adapt.serving.launcher import start_stack
     from adapt.targets import ServerDefaults
@@ -116,15 +118,23 @@ def run(args) -> int:
                         "device": args.device, "compile": serve_compile(args.compile)},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, host=args.host, port=args.port,
     )
-    url = f"http://{args.host}:{args.port}"
-    store = args.redis_url or "in-process (controller actor)"
+    url = stack.url
+    store = args.redis_url or "in-process (controller)"
     auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
     print(f"adapt serving {model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
           f"{auth}, queue limit {args.max_queue})", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: Serve and Ray are shut down below
     try:
-        uvicorn.run(stack.app, host=args.host, port=args.port, log_level="warning")
+        while True:  # serving happens in Serve's proxy and replicas
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     finally:
         stack.shutdown()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -12,9 +12,10 @@ Modules (each imports Ray, Redis or FastAPI only where it is used, so `import ad
 - `metrics`: the workers' counters and their Prometheus exposition.
 - `worker_plugin`: what serving adds to a decoder worker (`workers.ray_worker`): heartbeats,
   policy hot reload, traces, SLA verdicts.
-- `router`: least-loaded routing to decoder worker actors.
-- `controller_actor`: the central controller (a Ray actor) and the store client over it.
-- `launcher`: starts Ray, the controller, the workers and the HTTP server (`adapt serve`).
-- `deployment`: Ray Serve deployments for `serve run` / `serve deploy` (deploy/serve_config.yaml).
+- `controller_actor`: the central controller and the store client over its Serve handle.
+- `deployment`: the serving application, Ray Serve deployments (Decoder, Controller, Ingress) built
+  by `app_builder`, for `adapt serve` and for `serve run` / `serve deploy` (deploy/serve_config.yaml).
+- `launcher`: runs that application on local (or joined) Ray (`adapt serve`); `HttpServer` (uvicorn
+  on a thread, for in-process tests).
 - `policy_commands`: `adapt policy push|status` and `adapt policy fit --from-redis`.
 """

@@ -1,4 +1,4 @@
-"""The central controller (a Ray actor): cluster load, versioned policies, refits from traces.
+"""The central controller (the ``Controller`` Serve deployment): cluster load, versioned policies, refits.
 
 The control plane of `docs/architecture.md`: it is never on a request's path. It
 
@@ -10,12 +10,15 @@ The control plane of `docs/architecture.md`: it is never on a request's path. It
 - refits the acceptance predictor (and the cost tables) from the trace stream on demand
   (`fit_from_traces`) and publishes the result as a new version.
 
-Without a Redis URL it hosts the `InProcessStore` itself, and workers reach it through
-`ActorStoreClient`, which implements the same `StateStore` interface with actor calls.
+Without a Redis URL it hosts the `InProcessStore` itself, and the Decoder and Ingress replicas
+reach it through `ControllerStoreClient`, which implements the same `StateStore` interface with
+calls on the deployment's Serve handle.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -23,12 +26,14 @@ from typing import Any, Callable
 
 from adapt.serving.store import StateStore, Subscription, open_store
 
-__all__ = ["Controller", "ActorStoreClient", "CONTROLLER_NAME", "NAMESPACE", "publish_policy", "fit_policy"]
+__all__ = ["Controller", "ControllerStoreClient", "APP_NAME", "CONTROLLER_DEPLOYMENT", "NAMESPACE", "publish_policy",
+           "fit_policy"]
 
 log = logging.getLogger(__name__)
 
-CONTROLLER_NAME = "adapt-controller"
-NAMESPACE = "adapt"
+APP_NAME = "adapt"                  # the Serve application `adapt serve` runs
+CONTROLLER_DEPLOYMENT = "Controller"  # its controller's deployment (`adapt policy push` calls it by name)
+NAMESPACE = "adapt"                 # the Ray namespace `adapt serve` starts or joins Ray in
 _STORE_METHODS = {"put_load", "loads", "remove_worker", "put_policy", "get_policy", "policy_version",
                   "add_traces", "read_traces", "trace_len", "ping"}
 
@@ -70,7 +75,7 @@ def fit_policy(records: list[dict[str, Any]], base_doc: dict[str, Any] | None = 
 
 
 class Controller:
-    """The controller's state and methods (use as ``ray.remote(Controller)``, named `CONTROLLER_NAME`)."""
+    """The controller's state and methods (wrapped by `adapt.serving.deployment.ControllerDeployment`)."""
 
     def __init__(self, store_url: str | None = None, refresh_s: float = 0.25, trace_maxlen: int | None = None):
         kwargs = {} if trace_maxlen is None else {"trace_maxlen": trace_maxlen}
@@ -83,7 +88,7 @@ class Controller:
         self._thread = threading.Thread(target=self._aggregate_loop, daemon=True, name="adapt-controller")
         self._thread.start()
 
-    # -- the in-process store, for ActorStoreClient ------------------------------------------------
+    # -- the in-process store, for ControllerStoreClient -------------------------------------------
     def store_call(self, method: str, *args: Any) -> Any:
         if method not in _STORE_METHODS:
             raise ValueError(f"method: {method!r} is not a store method")
@@ -144,21 +149,32 @@ class Controller:
         self.store.close()
 
 
-class ActorStoreClient(StateStore):
-    """`StateStore` over the controller actor's in-process store (no Redis URL given)."""
+class ControllerStoreClient(StateStore):
+    """`StateStore` over the Controller deployment's in-process store (no Redis URL given), through
+    its Serve handle: what the Decoder and Ingress replicas use, and `adapt.serving.launcher.Stack`.
 
-    def __init__(self, controller: Any, timeout_s: float = 5.0, poll_s: float = 0.5):
+    Calls block (``DeploymentResponse.result``); one made on a thread that runs an event loop (a
+    replica's constructor runs on its user-code loop) is made from a helper thread, so it cannot
+    stall that loop's own Serve calls. An unreachable controller is a `ConnectionError`, which
+    the worker plugin and the HTTP front already treat as "store down".
+    """
+
+    def __init__(self, controller: Any, timeout_s: float = 10.0, poll_s: float = 0.5):
         self.controller = controller
         self.timeout_s = timeout_s
         self.poll_s = poll_s
 
-    def _call(self, method: str, *args: Any) -> Any:
-        import ray
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        def call() -> Any:
+            return self.controller.store_call.remote(method, *args).result(timeout_s=timeout_s or self.timeout_s)
 
         try:
-            return ray.get(self.controller.store_call.remote(method, *args), timeout=self.timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
-            raise ConnectionError(f"controller store unreachable: {exc}") from exc
+            if _in_event_loop():
+                with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapt-store") as pool:
+                    return pool.submit(call).result()
+            return call()
+        except Exception as exc:  # noqa: BLE001 - replica restarting, gone, or timed out
+            raise ConnectionError(f"controller store unreachable: {type(exc).__name__}: {exc}") from exc
 
     def put_load(self, worker_id, load, ttl_s):
         return self._call("put_load", worker_id, load, ttl_s)
@@ -166,8 +182,8 @@ class ActorStoreClient(StateStore):
     def loads(self):
         return self._call("loads")
 
-    def remove_worker(self, worker_id):
-        return self._call("remove_worker", worker_id)
+    def remove_worker(self, worker_id):  # at shutdown, when the controller may be gone already: brief
+        return self._call("remove_worker", worker_id, timeout_s=1.0)
 
     def put_policy(self, doc):
         return self._call("put_policy", doc)
@@ -195,7 +211,7 @@ class ActorStoreClient(StateStore):
             return False
 
     def subscribe_policy(self, callback: Callable[[int], None]) -> Subscription:
-        """Polls the version every `poll_s` (actor calls have no push channel)."""
+        """Polls the version every `poll_s` (Serve calls have no push channel)."""
         stop = threading.Event()
 
         def poll() -> None:
@@ -212,3 +228,11 @@ class ActorStoreClient(StateStore):
 
         threading.Thread(target=poll, daemon=True, name="adapt-policy-poll").start()
         return Subscription(stop.set)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False

@@ -1,21 +1,28 @@
-"""Ray Serve deployments, for ``serve run`` / ``serve deploy`` on an existing (multi-node) cluster.
+"""The serving application: Ray Serve deployments, for ``adapt serve`` and for a cluster.
 
-Three deployments make one application (`app_builder`; config in ``deploy/serve_config.yaml``):
+One application (`app_builder`) is what runs everywhere: ``adapt serve`` runs it on a local (or
+joined) Ray with ``serve.run`` (`adapt.serving.launcher.start_stack`), and a cluster runs it with
+``serve run`` / ``serve deploy`` and ``deploy/serve_config.yaml``. Three deployments:
 
-- ``Decoder``: a replica per GPU (``ray_actor_options: {num_gpus: 1}``), autoscaled on ongoing
-  requests; each replica is a `workers.ray_worker.DecoderWorker` (engine loop + decision
-  function in-process) heartbeating into Redis and hot-reloading policies from it.
+- ``Decoder``: replicas each owning one `workers.ray_worker.DecoderWorker` (engine loop + decision
+  function in-process) that heartbeats into the state store and hot-reloads policies from it;
+  ``adapt serve --num-workers N`` is N replicas, a cluster config a replica per GPU
+  (``ray_actor_options: {num_gpus: 1}``), autoscaled on ongoing requests.
 - ``Controller``: one replica of `adapt.serving.controller_actor.Controller` (cluster load,
-  policy validation and publication, refits from the Redis trace stream).
+  policy validation and publication, refits from the trace stream). Without a Redis URL it hosts
+  the in-process state store, which the other replicas reach through its Serve handle
+  (`adapt.serving.controller_actor.ControllerStoreClient`); ``adapt policy push`` finds it by
+  name (application ``adapt``, deployment ``Controller``).
 - ``Ingress``: the OpenAI-compatible FastAPI app (`adapt.serving.http_app`); it streams from a
   ``Decoder`` handle. Serve's router sends each request to the less loaded of two sampled
-  replicas (by ongoing requests), which is least-loaded routing without a central queue.
+  replicas (by ongoing requests), which is least-loaded routing without a central queue, and
+  Serve replaces a replica whose process died.
 
-On a cluster a Redis URL is required: it is how workers, the controller and the CLI
-(``adapt policy push --redis-url``) share load, policies and traces.
+On a cluster a Redis URL is what workers, the controller and the CLI (``adapt policy push
+--redis-url``) share load, policies and traces through; on one machine the in-process store will do.
 
-Back-pressure (docs/serving.md, "Back-pressure under Ray Serve"): a flood is answered **429** with
-``Retry-After`` and an OpenAI-shaped JSON error, never a 5xx, by our code, not by Serve's proxy:
+Back-pressure (docs/serving.md, "Back-pressure under Ray Serve"): a flood is answered **429** with ``Retry-After``
+and an OpenAI-shaped JSON error, never a 5xx, by our code, not by Serve's proxy:
 
 - the ``Decoder`` deployment runs ``max_ongoing_requests`` requests per replica and lets
   ``max_queued_requests`` more wait in each Ingress's router; beyond that Serve raises
@@ -23,9 +30,11 @@ Back-pressure (docs/serving.md, "Back-pressure under Ray Serve"): a flood is ans
 - the ``Ingress`` deployment admits ``max_ongoing_requests`` (1000) requests per replica, far more
   than the decoders hold, and its own admission (`adapt.serving.limits.Guard`) answers 429 once
   it holds ``ingress_max_requests`` generation requests (default: 90 % of its
-  ``max_ongoing_requests``), so the replica always has slots left to answer a 429 or ``/health``
-  and the proxy never has to queue nor refuse (Serve's own refusal is a plain-text 503 unless the
-  deployment's ``backpressure_config`` says 429, which both deployments set as a last line);
+  ``max_ongoing_requests``; with the ``max_queue`` arg, as ``adapt serve --max-queue`` sets it:
+  what the Decoder replicas run at once plus ``max_queue``), so the replica always has slots
+  left to answer a 429 or ``/health`` and the proxy never has to queue nor refuse (Serve's own
+  refusal is a plain-text 503 unless the deployment's ``backpressure_config`` says 429, which
+  both deployments set as a last line);
 - the code-level defaults below equal ``deploy/serve_config.yaml``.
 """
 
@@ -34,6 +43,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -76,19 +86,22 @@ def _replica_id() -> str:
 @serve.deployment(name="Decoder", max_ongoing_requests=DECODER_MAX_ONGOING, max_queued_requests=DECODER_MAX_QUEUED,
                   ray_actor_options={"num_gpus": 1}, **_backpressure_429())
 class Decoder:
-    """A decoder replica: the engine loop with the decision function in-process."""
+    """A decoder replica: the engine loop with the decision function in-process. `controller`:
+    the Controller deployment's handle, whose in-process store the replica uses when there is
+    no `redis_url`."""
 
-    def __init__(self, target: str, drafter: str | None, redis_url: str, policy: str | None = None,
+    def __init__(self, target: str, drafter: str | None, redis_url: str | None, policy: str | None = None,
                  engine_options: dict[str, Any] | None = None, num_threads: int | None = None,
-                 heartbeat_s: float = 0.5, ttl_s: float = 3.0):
+                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, controller: Any = None):
+        from adapt.serving.engine_options import validate_engine_options
         from adapt.serving.worker_plugin import ServingPlugin
         from workers.ray_worker import DecoderWorker
 
-        plugin = functools.partial(ServingPlugin, store=redis_url, policy=policy, heartbeat_s=heartbeat_s,
-                                   ttl_s=ttl_s)
-        from adapt.serving.engine_options import validate_engine_options
-
+        # checked before any model loads: an unknown or ill-typed option is a ValueError naming it
         config = validate_engine_options({"target": target, "drafter": drafter, **(engine_options or {})})
+        store = redis_url or _controller_store(controller)
+        plugin = functools.partial(ServingPlugin, store=store, policy=policy, heartbeat_s=heartbeat_s,
+                                   ttl_s=ttl_s, meta={"pid": os.getpid(), "node": _node_id()})
         self.worker = DecoderWorker(f"decoder-{_replica_id()}", config, plugin, num_threads)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -98,6 +111,9 @@ class Decoder:
     def load(self) -> dict[str, Any]:
         return self.worker.load()
 
+    def info(self) -> dict[str, Any]:
+        return self.worker.info()
+
     def __del__(self):
         try:
             self.worker.shutdown()
@@ -105,14 +121,38 @@ class Decoder:
             pass
 
 
-@serve.deployment(name="Controller", num_replicas=1, ray_actor_options={"num_cpus": 0})
-class ControllerDeployment:
-    """The central controller as a single Serve replica."""
+def _controller_store(controller: Any):
+    if controller is None:
+        raise ValueError("redis_url: required when the replica is given no Controller handle")
+    from adapt.serving.controller_actor import ControllerStoreClient
 
-    def __init__(self, redis_url: str):
+    return ControllerStoreClient(controller)
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not under Ray
+        return None
+
+
+@serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=100, ray_actor_options={"num_cpus": 0})
+class ControllerDeployment:
+    """The central controller as a single Serve replica. Without `redis_url` it hosts the
+    in-process state store (`store_call`, for `ControllerStoreClient`), and publishes
+    `policy_doc` (the application's start policy) into it when it starts."""
+
+    def __init__(self, redis_url: str | None = None, policy_doc: dict[str, Any] | None = None):
         from adapt.serving.controller_actor import Controller
 
         self.controller = Controller(redis_url)
+        if policy_doc is not None and not redis_url:
+            self.controller.push_policy(policy_doc)
+
+    def store_call(self, method: str, *args: Any) -> Any:
+        return self.controller.store_call(method, *args)
 
     def cluster_load(self) -> dict[str, Any]:
         return self.controller.cluster_load()
@@ -127,6 +167,15 @@ class ControllerDeployment:
         out = self.controller.fit_from_traces(count, push)
         out.pop("doc", None)
         return out
+
+    def ping(self) -> bool:
+        return True
+
+    def __del__(self):
+        try:
+            self.controller.shutdown()
+        except Exception:  # noqa: BLE001 - replica shutting down
+            pass
 
 
 class ServeBackend:
@@ -189,63 +238,123 @@ def _own_max_ongoing_requests() -> int:
                   **_backpressure_429())
 @serve.ingress()
 class Ingress:
-    """The OpenAI-compatible HTTP front."""
+    """The OpenAI-compatible HTTP front. max_requests: generation requests this replica admits
+    before answering 429 itself; max_running: how many of those the decoders run at once (the
+    rest are counted as waiting in ``/health``; None: all running)."""
 
-    def __init__(self, decoder: Any, controller: Any, redis_url: str, model_name: str = "adapt",
+    def __init__(self, decoder: Any, controller: Any, redis_url: str | None, model_name: str = "adapt",
                  default_tpot_ms: float | None = None, default_quality: str = "lossless",
-                 default_max_tokens: int = 64, api_keys: list[str] | None = None,
-                 max_body_bytes: int | None = None, max_requests: int | None = None):
+                 default_max_tokens: int = 64, api_keys: Any = None,
+                 max_body_bytes: int | None = None, max_requests: int | None = None,
+                 max_running: int | None = None):
+        from adapt.serving.auth import ApiKeys
         from adapt.serving.store import open_store
         from adapt.targets import ServerDefaults
 
-        self.backend = ServeBackend(decoder, open_store(redis_url))
+        self.backend = ServeBackend(decoder, open_store(redis_url) if redis_url else _controller_store(controller))
         self.controller = controller
         self.model_name = model_name
         self.defaults = ServerDefaults(tpot_ms=default_tpot_ms, quality=default_quality)
         self.default_max_tokens = default_max_tokens
-        self.api_keys = list(api_keys or [])
+        # an `ApiKeys` (digests only, as `adapt serve` passes them) or key strings, plus ADAPT_API_KEY here
+        self.api_keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.from_sources(api_keys)
         self.max_body_bytes = max_body_bytes
         self.max_requests = max_requests or ingress_admission_limit(_own_max_ongoing_requests())
+        self.max_running = None if max_running is None else min(max_running, self.max_requests)
 
     def __serve_build_asgi_app__(self):
-        from adapt.serving.auth import ApiKeys
         from adapt.serving.http_app import build_app
         from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
         # Decoder queue full: 429 from ServeBackend; this replica full: 429 from the Guard, below
         # Serve's max_ongoing_requests so that the proxy never queues nor refuses for it
-        limits = Limits(max_running=self.max_requests, max_queue=0, retry_after_s=RETRY_AFTER_S,
+        running = self.max_running or self.max_requests
+        limits = Limits(max_running=running, max_queue=self.max_requests - running, retry_after_s=RETRY_AFTER_S,
                         max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         return build_app(self.backend, model_name=self.model_name, defaults=self.defaults,
-                         default_max_tokens=self.default_max_tokens,
-                         api_keys=ApiKeys.from_sources(self.api_keys), limits=limits)
+                         default_max_tokens=self.default_max_tokens, api_keys=self.api_keys, limits=limits)
 
 
 def app_builder(args: dict[str, Any]):
-    """The Serve application from config ``args``: target, drafter, redis_url (required);
-    policy, model_name, engine_options, num_threads, default_tpot_ms, default_quality,
-    default_max_tokens, decoder_options / ingress_options (Serve options of the Decoder / Ingress
-    deployment, e.g. ``max_ongoing_requests``, ``max_queued_requests``; a config file's
-    ``deployments:`` entries override them), api_keys (list; ADAPT_API_KEY in the Ingress
-    replicas' environment works too), max_body_bytes (optional), ingress_max_requests
-    (generation requests one Ingress replica admits before answering 429 itself; default 90 % of
-    its max_ongoing_requests)."""
+    """The Serve application from config ``args`` (what ``adapt serve`` and a cluster's
+    ``deploy/serve_config.yaml`` both build):
+
+    - target (required), drafter, policy, model_name, engine_options, num_threads,
+      heartbeat_s / ttl_s (the workers' heartbeat period and its expiry), default_tpot_ms,
+      default_quality, default_max_tokens;
+    - redis_url: the state store shared by every replica and the CLI (required on a cluster);
+      without it the Controller replica hosts an in-process store;
+    - policy_file: a policy JSON published when the application starts, checked here first
+      (`adapt.policy_file`, the settings against its policy: a `PolicyFileError` naming the
+      field): into Redis right away with a redis_url, else by the Controller into its new store
+      before any Decoder reads it;
+    - decoder_options / ingress_options: Serve options of the Decoder / Ingress deployment (e.g.
+      ``num_replicas``, ``max_ongoing_requests``, ``max_queued_requests``, ``ray_actor_options``;
+      a config file's ``deployments:`` entries override them);
+    - api_keys (list, or an `adapt.serving.auth.ApiKeys`; ADAPT_API_KEY in the Ingress replicas'
+      environment works too), max_body_bytes (optional);
+    - ingress_max_requests: generation requests one Ingress replica admits before answering 429
+      itself; default 90 % of its max_ongoing_requests, or, with max_queue (``adapt serve
+      --max-queue``; needs a fixed ``decoder_options.num_replicas``), what the Decoder replicas
+      run at once (replicas × their max_ongoing_requests) plus max_queue, and then the Decoder's
+      own queue is unbounded unless decoder_options sets max_queued_requests.
+    """
     from adapt.serving.engine_options import validate_engine_options  # unknown / ill-typed: ValueError naming it
 
-    missing = [k for k in ("target", "redis_url") if not args.get(k)]
-    if missing:
-        raise ValueError(f"{missing[0]}: required in the application's args (see deploy/serve_config.yaml)")
-    redis_url = str(args["redis_url"])
+    if not args.get("target"):
+        raise ValueError("target: required in the application's args (see deploy/serve_config.yaml)")
+    redis_url = str(args["redis_url"]) if args.get("redis_url") else None
+    engine_options = validate_engine_options(args.get("engine_options"))
     decoder_options = dict(args.get("decoder_options") or {})  # e.g. {"ray_actor_options": {"num_gpus": 0}}
-    decoder = Decoder.options(**decoder_options).bind(str(args["target"]), args.get("drafter"), redis_url, args.get("policy"),
-                           validate_engine_options(args.get("engine_options")), args.get("num_threads"))
-    controller = ControllerDeployment.bind(redis_url)
     ingress_options = dict(args.get("ingress_options") or {})
-    max_requests = args.get("ingress_max_requests")
-    if max_requests is not None and (isinstance(max_requests, bool) or not isinstance(max_requests, int)
-                                     or max_requests < 1):
-        raise ValueError(f"ingress_max_requests: expected a positive integer, got {max_requests!r}")
+    max_requests = _positive_int(args, "ingress_max_requests")
+    max_running = None
+    max_queue = args.get("max_queue")
+    if max_queue is not None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue: expected a non-negative integer, got {max_queue!r}")
+        replicas = decoder_options.get("num_replicas")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError("max_queue: needs a fixed number of Decoder replicas (decoder_options.num_replicas), "
+                             f"got {replicas!r}")
+        max_running = replicas * int(decoder_options.get("max_ongoing_requests", DECODER_MAX_ONGOING))
+        max_requests = max_requests or max_running + max_queue
+        decoder_options.setdefault("max_queued_requests", -1)  # the Ingress's admission is the bound
+    if max_requests is not None:  # Serve must let in more than the Ingress admits (429s, /health)
+        ingress_options.setdefault("max_ongoing_requests", max(INGRESS_MAX_ONGOING, 2 * max_requests))
+    policy_doc = _start_policy(args.get("policy_file"), redis_url)
+
+    controller = ControllerDeployment.bind(redis_url, policy_doc)
+    decoder = Decoder.options(**decoder_options).bind(
+        str(args["target"]), args.get("drafter"), redis_url, args.get("policy"), engine_options,
+        args.get("num_threads"), float(args.get("heartbeat_s", 0.5)), float(args.get("ttl_s", 3.0)),
+        None if redis_url else controller)
     return Ingress.options(**ingress_options).bind(
         decoder, controller, redis_url, str(args.get("model_name", "adapt")), args.get("default_tpot_ms"),
         str(args.get("default_quality", "lossless")), int(args.get("default_max_tokens", 64)), args.get("api_keys"),
-        args.get("max_body_bytes"), max_requests)
+        args.get("max_body_bytes"), max_requests, max_running)
+
+
+def _positive_int(args: dict[str, Any], name: str) -> int | None:
+    value = args.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _start_policy(path: str | None, redis_url: str | None) -> dict[str, Any] | None:
+    """The start policy file, validated as a push is (naming the field); published to Redis now
+    when there is one, else returned for the Controller to publish into its in-process store."""
+    if not path:
+        return None
+    from adapt import policy_file
+    from adapt.serving.controller_actor import publish_policy
+    from adapt.serving.store import InProcessStore, open_store
+
+    doc = policy_file.load(path).to_dict()
+    store = open_store(redis_url) if redis_url else InProcessStore()
+    try:
+        publish_policy(store, doc)  # validates the document and its settings; publishes with Redis
+    finally:
+        store.close()
+    return None if redis_url else doc

@@ -3,9 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
-A *backend* turns one request into a stream of chunks from a decoder worker: the actor router
-(`adapt.serving.router.ActorRouter`, used by ``adapt serve``) or the Ray Serve handle
-(`adapt.serving.deployment`). Each chunk is a dict ``{"text", "token_ids", "finished",
+A *backend* turns one request into a stream of chunks from a decoder worker: the Decoder
+deployment's Serve handle (`adapt.serving.deployment.ServeBackend`, what ``adapt serve`` and a
+cluster run), or one worker in this process (the in-process tests). Each chunk is a dict ``{"text", "token_ids", "finished",
 "finish_reason", "stats", "sla", "usage", "worker"}``, or ``{"error": {...}}``.
 
 Every response carries the request's decoding stats and its SLA verdict in an ``adapt`` object

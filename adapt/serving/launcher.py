@@ -1,20 +1,21 @@
-"""Start a serving stack: Ray, the controller actor, decoder worker actors, the HTTP server.
+"""Start the serving application on this machine's Ray (``adapt serve``, the tests).
 
-`start_stack` brings up (or joins) Ray, starts the controller (named `adapt-controller` in
-namespace `adapt`, so `adapt policy push` finds it) and `num_workers` decoder workers, each with
-``torch`` threads = cores / workers, and returns a `Stack` whose `app` is the FastAPI app over a
-least-loaded `ActorRouter`. `HttpServer` runs that app with uvicorn on a background thread
-(tests, the load benchmark); ``adapt serve`` runs it in the foreground.
+`start_stack` brings up (or joins) Ray, starts Serve with its HTTP proxy on ``host:port`` and
+runs the one serving application (`adapt.serving.deployment.app_builder`, the same that
+``serve deploy deploy/serve_config.yaml`` runs on a cluster) with ``num_workers`` Decoder
+replicas, each with ``torch`` threads = cores / workers; it returns once every replica is up.
+`HttpServer` runs a FastAPI app with uvicorn on a background thread (the in-process tests, which
+put one decoder worker behind `adapt.serving.http_app.build_app` without Ray).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from adapt.targets import ServerDefaults
@@ -26,69 +27,70 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Stack:
-    """A running serving stack (see `start_stack`)."""
+    """A running serving application (see `start_stack`): its URL, the Serve handles of its
+    Controller and Decoder deployments, and the state store every replica shares."""
 
+    url: str
     controller: Any
-    workers: dict[str, Any]
-    router: Any
-    app: Any
+    decoder: Any
     store: Any
+    app_name: str
     owns_ray: bool = False
-    worker_ids: list[str] = field(default_factory=list)
+    owns_serve: bool = False
 
     def shutdown(self) -> None:
         import ray
+        from ray import serve
 
-        for handle in self.workers.values():
-            try:
-                ray.get(handle.shutdown.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
-            ray.kill(handle, no_restart=True)
         try:
-            ray.get(self.controller.shutdown.remote(), timeout=5)
-        except Exception:  # noqa: BLE001
-            pass
-        ray.kill(self.controller, no_restart=True)
-        if self.owns_ray:
-            ray.shutdown()
+            if self.owns_serve:
+                serve.shutdown()
+            else:  # a Serve that was running before: remove only this application
+                serve.delete(self.app_name)
+        finally:
+            if self.owns_ray:
+                ray.shutdown()
 
 
 def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis_url: str | None = None,
                 policy: str | None = None, policy_file: str | None = None, model_name: str = "adapt-demo",
                 defaults: ServerDefaults | None = None, engine_options: dict[str, Any] | None = None,
                 ray_address: str | None = None, num_cpus: int | None = None, worker_cpus: float = 1.0,
-                worker_resources: list[dict[str, float]] | None = None, num_threads: int | None = None,
+                worker_resources: dict[str, float] | None = None, num_threads: int | None = None,
                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, default_max_tokens: int = 64,
-                max_restarts: int = 3, name_prefix: str = "adapt-worker", api_keys: Any = None,
-                max_queue: int | None = None, max_body_bytes: int | None = None) -> Stack:
-    """Start the controller and `num_workers` decoder workers; see the module docstring.
+                api_keys: Any = None, max_queue: int | None = None, max_body_bytes: int | None = None,
+                host: str = "127.0.0.1", port: int = 0, app_name: str = "adapt") -> Stack:
+    """Run the serving application on Ray; see the module docstring.
 
-    worker_resources: per worker, custom Ray resources to pin it (e.g. ``{"node_b": 1}``).
-    max_restarts: how often Ray replaces a worker whose process died (it reloads the models under
-    the same name; the router takes it back once it answers); -1 = always.
-    api_keys: `adapt.serving.auth.ApiKeys` every ``/v1`` route requires (None: open).
+    worker_resources: custom Ray resources every Decoder replica takes (e.g. ``{"decoder_slot":
+    1}`` with one such slot per node pins one replica per node).
+    api_keys: `adapt.serving.auth.ApiKeys` (or key strings) every ``/v1`` route requires (None: open;
+    ADAPT_API_KEY in the Ingress replica's environment still counts). defaults: the server's
+    ``tpot_ms`` and ``quality`` for requests that set none.
     max_queue: generation requests allowed to wait beyond what the workers run at once
-    (workers × max_batch) before the ingress answers 429 (None: no limit); max_body_bytes:
-    largest request body (413 above; None: `adapt.serving.limits.DEFAULT_MAX_BODY_BYTES`).
+    (workers × max_batch) before the ingress answers 429 (None: the Ingress's default admission);
+    max_body_bytes: largest request body (413 above; None: `adapt.serving.limits.DEFAULT_MAX_BODY_BYTES`).
     engine_options: keyword arguments of `workers.engine.EngineConfig` (max_batch, max_len, dtype,
     ...), checked first (`adapt.serving.engine_options`: an unknown or ill-typed one is a
-    ValueError naming it, before Ray or any worker starts).
+    ValueError naming it, before Ray or any worker starts); so is the policy file.
+    A worker whose process dies is replaced by Serve (it reloads the models and the store's
+    current policy); port 0 picks a free port.
     """
     import ray
+    from ray import serve
 
-    from adapt.serving.controller_actor import CONTROLLER_NAME, NAMESPACE, ActorStoreClient, Controller
+    from adapt.serving.controller_actor import CONTROLLER_DEPLOYMENT, NAMESPACE, ControllerStoreClient
+    from adapt.serving.deployment import Decoder, app_builder
     from adapt.serving.engine_options import validate_engine_options
-    from adapt.serving.http_app import build_app
-    from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
-    from adapt.serving.router import ActorRouter
     from adapt.serving.store import open_store
-    from adapt.serving.worker_plugin import ServingPlugin
-    from workers.ray_worker import DecoderWorker
 
     # checked before anything starts: an unknown or ill-typed option is a ValueError naming it
-    engine_config = validate_engine_options({"target": str(target), "drafter": None if drafter is None else str(drafter),
-                                             **(engine_options or {})})
+    engine_options = validate_engine_options(engine_options)
+    max_batch = int(engine_options.get("max_batch", _engine_default("max_batch")))
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
     owns_ray = False
     if not ray.is_initialized():
         if ray_address:
@@ -98,38 +100,62 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
         owns_ray = True
     cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     threads = num_threads or max(1, cores // max(1, num_workers))
+    defaults = defaults or ServerDefaults()
+    actor_options: dict[str, Any] = {"num_cpus": worker_cpus, "num_gpus": 0}  # the GPU comes from the engine's device
+    if worker_resources:
+        actor_options["resources"] = dict(worker_resources)
+    args = {"target": str(target), "drafter": None if drafter is None else str(drafter), "redis_url": redis_url,
+            "policy": policy, "policy_file": policy_file, "model_name": model_name, "engine_options": engine_options,
+            "num_threads": threads, "heartbeat_s": heartbeat_s, "ttl_s": ttl_s,
+            "default_tpot_ms": defaults.tpot_ms, "default_quality": str(defaults.quality),
+            "default_max_tokens": default_max_tokens, "api_keys": api_keys, "max_body_bytes": max_body_bytes,
+            "max_queue": max_queue,
+            "decoder_options": {"num_replicas": num_workers, "max_ongoing_requests": max_batch,
+                                "ray_actor_options": actor_options},
+            "ingress_options": {"ray_actor_options": {"num_cpus": 0}}}
+    owns_serve = False
+    try:
+        app = app_builder(args)  # checks the policy file (and publishes it to Redis) before Serve starts
+        owns_serve = not _serve_running()
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+        # returns once every replica is up; no access log line per request (as uvicorn at "warning" before)
+        serve.run(app, name=app_name, route_prefix="/", logging_config={"enable_access_log": False})
+    except BaseException:
+        try:
+            if owns_serve:
+                serve.shutdown()
+            elif _serve_running():
+                serve.delete(app_name)
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            log.exception("cleaning up after a failed start")
+        if owns_ray:
+            ray.shutdown()
+        raise
+    controller = serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=app_name)
+    decoder = serve.get_deployment_handle(Decoder.name, app_name=app_name)
+    store = open_store(redis_url) if redis_url else ControllerStoreClient(controller)
+    return Stack(url=f"http://{host}:{port}", controller=controller, decoder=decoder, store=store,
+                 app_name=app_name, owns_ray=owns_ray, owns_serve=owns_serve)
 
-    controller = ray.remote(Controller).options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0,
-                                                max_concurrency=16, get_if_exists=False).remote(redis_url)
-    ray.get(controller.ping.remote(), timeout=60)
-    worker_store: Any = redis_url if redis_url else ActorStoreClient(controller)
-    if policy_file:
-        from adapt import policy_file as pf_module
 
-        doc = pf_module.load(policy_file).to_dict()
-        ray.get(controller.push_policy.remote(doc))
+def _engine_default(name: str) -> Any:
+    import dataclasses
 
-    handles: dict[str, Any] = {}
-    for i in range(num_workers):
-        wid = f"{name_prefix}-{i}"
-        plugin = functools.partial(ServingPlugin, store=worker_store, policy=policy, heartbeat_s=heartbeat_s,
-                                   ttl_s=ttl_s, meta={"index": i})
-        options: dict[str, Any] = dict(name=wid, namespace=NAMESPACE, num_cpus=worker_cpus, max_concurrency=1000,
-                                       max_restarts=max_restarts)
-        if worker_resources and i < len(worker_resources):
-            options["resources"] = worker_resources[i]
-        handles[wid] = ray.remote(DecoderWorker).options(**options).remote(wid, engine_config, plugin, threads)
-    infos = ray.get([h.info.remote() for h in handles.values()], timeout=600)  # engines loaded
+    from workers.engine import EngineConfig
 
-    store = open_store(redis_url) if redis_url else ActorStoreClient(controller)
-    router = ActorRouter(handles, store)
-    limits = Limits(max_running=sum(int(i["max_batch"]) for i in infos), max_queue=max_queue,
-                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-    app = build_app(router, model_name=model_name, defaults=defaults, default_max_tokens=default_max_tokens,
-                    api_keys=api_keys, limits=limits)
-    app.state.controller = controller
-    return Stack(controller=controller, workers=handles, router=router, app=app, store=store, owns_ray=owns_ray,
-                 worker_ids=list(handles))
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _serve_running() -> bool:
+    """Whether a Serve controller already runs on this Ray (then only our application is removed)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def _init_local_ray(num_cpus: int, namespace: str, attempts: int = 3) -> None:
@@ -152,8 +178,6 @@ class HttpServer:
     """uvicorn serving `app` on a background thread (`url` once started)."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
-        import socket
-
         import uvicorn
 
         if port == 0:

@@ -6,9 +6,9 @@ for ``fit --from-redis URL``.
 
 - ``adapt policy push POLICY.json [--redis-url URL | --ray-address ADDR]``: validate the file
   (`adapt.policy_file`) and publish it as the next version; running workers hot-reload it
-  between steps. With a Redis URL it goes straight to Redis; otherwise through the controller
-  actor of the running ``adapt serve`` (in-process store). A corrupt file is rejected with the
-  field named and the running version stays.
+  between steps. With a Redis URL it goes straight to Redis; otherwise through the Controller
+  deployment of the running application (``adapt serve``'s, with its in-process store). A
+  corrupt file is rejected with the field named and the running version stays.
 - ``adapt policy fit --from-redis URL [--count N] [--out FILE] [--push]``: refit the predictor on
   the trace stream (newest N records) on top of the current policy.
 - ``adapt policy status``: the store's version and the version each worker runs.
@@ -53,13 +53,19 @@ def _read_doc(path: str) -> dict:
 
 
 def _controller(address: str):
+    """The Serve handle of the running application's Controller deployment (`adapt serve`'s, or a
+    cluster's application named ``adapt``); ConnectionError when there is none."""
     import ray
+    from ray import serve
 
-    from adapt.serving.controller_actor import CONTROLLER_NAME, NAMESPACE
+    from adapt.serving.controller_actor import APP_NAME, CONTROLLER_DEPLOYMENT, NAMESPACE
 
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    try:
+        return serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=APP_NAME)
+    except Exception as exc:  # noqa: BLE001 - RayServeException: no Serve, or no such application
+        raise ConnectionError(f"no application {APP_NAME!r} with a {CONTROLLER_DEPLOYMENT} on Ray: {exc}") from None
 
 
 def run_push(args) -> int:
@@ -73,9 +79,7 @@ def run_push(args) -> int:
 
             out = publish_policy(RedisStore(args.redis_url), doc)
         else:
-            import ray
-
-            out = ray.get(_controller(args.ray_address).push_policy.remote(doc))
+            out = _controller(args.ray_address).push_policy.remote(doc).result(timeout_s=120)
     except (PolicyFileError, ValueError) as exc:
         print(f"policy rejected: {exc}", file=sys.stderr)
         return 2
@@ -95,9 +99,7 @@ def run_status(args) -> int:
         out = {"store_version": store.policy_version(),
                "workers": {w: v.get("policy_version", 0) for w, v in loads.items()}}
     else:
-        import ray
-
-        out = ray.get(_controller(args.ray_address).policy_status.remote())
+        out = _controller(args.ray_address).policy_status.remote().result(timeout_s=120)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -1,10 +1,10 @@
 """Shared serving state: worker load and heartbeats, versioned policies, the trace stream.
 
-Three kinds of state are shared between the decoder workers, the router and the controller:
+Three kinds of state are shared between the decoder workers, the ingress and the controller:
 
 - **load** (one JSON object per worker: queue depth, running rows, counters) written every
   heartbeat with an expiry (TTL). A worker whose heartbeat expired is gone from `loads()`; the
-  router stops sending it requests and the controller stops counting it.
+  ingress's ``/health`` and ``/metrics`` stop showing it and the controller stops counting it.
 - **policies**: JSON documents with a monotonically increasing *version*. `put_policy` stores a
   new version and notifies subscribers; workers hot-reload it between engine steps.
 - **traces**: a capped append-only stream of trace records (contracts §6); the oldest records

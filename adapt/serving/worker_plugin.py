@@ -6,7 +6,8 @@ implements `workers.protocols.WorkerPlugin` with both optional hooks (``on_step`
 which the worker checks when it starts (`workers.protocols.check_plugin`). In the worker process it:
 
 - heartbeats the worker's load and counters into the store every `heartbeat_s` with a TTL, so
-  the router and the controller see live load, and a dead worker disappears on its own;
+  the ingress (``/health``, ``/metrics``) and the controller see live load, and a dead worker
+  disappears on its own;
 - builds the decision maker from the store's current policy (or the named policy) and
   subscribes to new versions: each one is validated (`adapt.policy_file`), built, and swapped in
   between engine steps; a version that fails to load is logged and the old one stays;
@@ -91,7 +92,7 @@ def _resolve_store(store: Any) -> StateStore:
 
 class ServingPlugin:
     """See the module docstring. `store`: a Redis URL, None (a private in-process store), or a
-    `StateStore` (e.g. `adapt.serving.controller_actor.ActorStoreClient`)."""
+    `StateStore` (e.g. `adapt.serving.controller_actor.ControllerStoreClient`)."""
 
     def __init__(self, worker_id: str, store: Any = None, policy: str | None = None,
                  heartbeat_s: float = 0.5, ttl_s: float = 3.0, meta: dict[str, Any] | None = None,
