@@ -3,11 +3,37 @@
 Each request owns a `torch.Generator` (seeded from its sampling seed), so its coins and race
 noise do not depend on which other requests share the batch: a seeded request gives the same
 tokens alone or batched, on either backend.
+
+*Noise rows*: the Exp(1) vectors [V] of the exponential race. A rule whose accept decision reads
+the noise (`kernels.rules.ACCEPT_READS_NOISE`: MATCH) needs one per target row (k_r + 1); every
+other rule samples only the token emitted where the row stops, so one noise row per request
+serves all its positions (vLLM draws [B, V] for the same reason), and a GREEDY row reads none
+(it gets a row of ones). `verify`'s `noise_rows` maps each target row to its noise row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from kernels.layout import RaggedLayout
+from kernels.rules import ACCEPT_READS_NOISE, Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    uniforms: torch.Tensor          # [N] f32 in [0, 1): one coin per draft
+    exp_noise: torch.Tensor         # [M, V] f32 Exp(1) noise rows
+    noise_rows: torch.Tensor | None  # [N + B] int64 noise row of each target row; None: row i reads row i (M = N + B)
+
+
+def noise_counts(num_draft: list[int], rules: list[int] | None) -> list[int]:
+    """Noise rows per request: k_r + 1 where the rule's accept reads noise (or `rules` is None),
+    1 otherwise (one race sample where the row stops; a GREEDY row's row is ones)."""
+    if rules is None:
+        return [k + 1 for k in num_draft]
+    return [k + 1 if k and r in ACCEPT_READS_NOISE else 1 for k, r in zip(num_draft, rules)]
 
 
 def draw_noise(
@@ -15,23 +41,45 @@ def draw_noise(
     num_draft: list[int],      # B draft counts k_r
     vocab: int,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uniforms [N] f32 in [0, 1), exp_noise [N + B, V] f32 Exp(1)) in `verify`'s layout.
+    rules: list[int] | None = None,  # B rule ids (host); None: one noise row per target row
+    layout: RaggedLayout | None = None,  # the batch's layout, if built already
+) -> Noise:
+    """Coins and race noise in `verify`'s layout (see the module docstring for noise rows).
 
-    Row r consumes, from its generator, k_r uniforms and then (k_r + 1) x V exponentials.
-    One small loop over requests (not tokens); the draws themselves are tensor calls.
+    Row r consumes, from its generator, k_r uniforms and then (its noise rows) x V exponentials;
+    a GREEDY row (with `rules`) consumes nothing. One small loop over requests (not tokens); the
+    draws themselves are tensor calls.
     """
     if len(generators) != len(num_draft):
         raise ValueError(f"generators: expected {len(num_draft)} (one per row), got {len(generators)}")
     if any(k < 0 for k in num_draft):
         raise ValueError("num_draft: counts must be >= 0")
+    if rules is not None and len(rules) != len(num_draft):
+        raise ValueError(f"rules: expected {len(num_draft)} (one per row), got {len(rules)}")
     device = torch.device(device)
-    total = sum(num_draft)
-    uniforms = torch.empty(total, dtype=torch.float32, device=device)
-    exp_noise = torch.empty(total + len(num_draft), vocab, dtype=torch.float32, device=device)
-    start = 0
-    for r, (gen, k) in enumerate(zip(generators, num_draft)):
-        uniforms[start:start + k].uniform_(0.0, 1.0, generator=gen)
-        exp_noise[start + r:start + r + k + 1].exponential_(1.0, generator=gen)
+    counts = noise_counts(num_draft, rules)
+    greedy = [False] * len(num_draft) if rules is None else [r == Rule.GREEDY for r in rules]
+    uniforms = torch.zeros(sum(num_draft), dtype=torch.float32, device=device)
+    make = torch.ones if any(greedy) else torch.empty
+    exp_noise = make(sum(counts), vocab, dtype=torch.float32, device=device)
+    start = off = 0
+    for gen, k, c, g in zip(generators, num_draft, counts, greedy):
+        if not g:
+            uniforms[start:start + k].uniform_(0.0, 1.0, generator=gen)
+            exp_noise[off:off + c].exponential_(1.0, generator=gen)
         start += k
-    return uniforms, exp_noise
+        off += c
+    rows = None
+    if rules is not None and sum(counts) != sum(num_draft) + len(num_draft):
+        if layout is None:
+            layout = RaggedLayout.from_counts(torch.tensor(num_draft, device=device), sum(num_draft), max(num_draft))
+        rows = noise_rows(layout, torch.tensor(counts, device=device))
+    return Noise(uniforms, exp_noise, rows)
+
+
+def noise_rows(layout: RaggedLayout, counts: torch.Tensor) -> torch.Tensor:
+    """[N + B] int64 noise row of each target row of `layout`, for per-request noise counts
+    `counts` [B] (each k_r + 1 or 1): a request with one noise row maps all its target rows to it."""
+    counts = counts.to(torch.int64)
+    first = torch.cumsum(counts, 0) - counts                                # [B] first noise row
+    return first[layout.row] + torch.where(counts[layout.row] > 1, layout.col, 0)

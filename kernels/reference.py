@@ -58,7 +58,8 @@ def positions_reference(
     uniforms: torch.Tensor,     # [N] f32
     target_probs: torch.Tensor, # [R, V] f32  (R = N + B)
     draft_probs,                # [N, V] f32 or None
-    exp_noise: torch.Tensor,    # [R, V] f32
+    exp_noise: torch.Tensor,    # [R, V] f32, or [M, V] with noise_rows
+    noise_rows=None,            # [R] int64 noise row of each target row, or None (row i reads row i)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-target-row decisions: (accept [R] bool, token [R] int64, tvd [R] f32).
 
@@ -89,7 +90,12 @@ def positions_reference(
         draft = take(is_draft)                                           # [n]
         x = take(tok).clamp_min(0)[:, None]                              # [n, 1]
         p = take(target_probs)                                           # [n, V]
-        e = None if rid == Rule.GREEDY else take(exp_noise)              # [n, V]
+        if rid == Rule.GREEDY:
+            e = None
+        elif noise_rows is None:
+            e = take(exp_noise)                                          # [n, V]
+        else:
+            e = exp_noise.index_select(0, take(noise_rows))              # [n, V]
         q = None
         if rid in NEEDS_DRAFT_PROBS or (rid == Rule.TYPICAL and draft_probs is not None):
             q = torch.zeros_like(p)                                      # [n, V], 0 at bonus rows

@@ -6,15 +6,20 @@ distribution p; the lossy ("lenient") rules accept more drafts and pay for it in
 variation distance (TVD) between the emitted distribution and p, which `kernels.verify`
 reports exactly (see docs/kernels.md, "TVD spent").
 
-| id | name      | param         | param2           | needs q |
-|----|-----------|---------------|------------------|---------|
-| 0  | GREEDY    | -             | -                | no      |
-| 1  | REJECTION | -             | -                | yes     |
-| 2  | MATCH     | -             | -                | no      |
-| 3  | EPS_TVD   | eps in [0, 1] | -                | yes     |
-| 4  | LAMBDA    | lam in (0, 1] | -                | yes     |
-| 5  | SGLANG    | threshold_acc | threshold_single | yes     |
-| 6  | TYPICAL   | eps (0.09)    | delta (0.3)      | no (q only sharpens the TVD report) |
+| id | name      | param         | param2           | needs q | accept reads noise |
+|----|-----------|---------------|------------------|---------|--------------------|
+| 0  | GREEDY    | -             | -                | no      | no (no noise)      |
+| 1  | REJECTION | -             | -                | yes     | no                 |
+| 2  | MATCH     | -             | -                | no      | yes                |
+| 3  | EPS_TVD   | eps in [0, 1] | -                | yes     | no                 |
+| 4  | LAMBDA    | lam in (0, 1] | -                | yes     | no                 |
+| 5  | SGLANG    | threshold_acc | threshold_single | yes     | no                 |
+| 6  | TYPICAL   | eps (0.09)    | delta (0.3)      | no (q only sharpens the TVD report) | no |
+
+*Accept reads noise*: the rule's accept decision at a position uses that position's Exp(1)
+race noise (MATCH accepts while the draft equals a sample of p). Every other rule reads noise
+only to sample the token emitted where the row stops (the recovered or bonus token), so one
+noise row per request serves all its positions (`kernels.verify`'s `noise_rows`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ NUM_RULES = len(Rule)
 EXACT_RULES = frozenset({Rule.GREEDY, Rule.REJECTION, Rule.MATCH})
 LOSSY_RULES = frozenset(set(Rule) - EXACT_RULES)
 NEEDS_DRAFT_PROBS = frozenset({Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG})
+ACCEPT_READS_NOISE = frozenset({Rule.MATCH})
 
 # Default parameters (param, param2) for each rule; used by callers that only name a rule.
 DEFAULT_PARAMS: dict[Rule, tuple[float, float]] = {
@@ -94,7 +100,7 @@ def enforce_rules(rule, param, param2, temperature, lossless, conditional, point
     rule = rule.to(torch.int32)
     rule = torch.where(rule == int(Rule.GREEDY), exact, rule)
     rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule).to(torch.int32)
-    is_exact = (rule == int(Rule.GREEDY)) | (rule == int(Rule.REJECTION)) | (rule == int(Rule.MATCH))
+    is_exact = torch.isin(rule, torch.tensor(sorted(EXACT_RULES), dtype=torch.int32, device=rule.device))
     forced = (lossless & ~is_exact) | (temperature <= 0)
     if point_mass is not None:
         forced = forced | point_mass

@@ -14,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Rule ids (kernels.rules.Rule) as kernel constants.
-GREEDY, REJECTION, MATCH, EPS_TVD, LAMBDA, SGLANG, TYPICAL = range(7)
+from kernels.rules import Rule
+
+# Rule ids as kernel constants, from the rule table (kernels.rules.Rule)
+GREEDY = tl.constexpr(int(Rule.GREEDY))
+REJECTION = tl.constexpr(int(Rule.REJECTION))
+MATCH = tl.constexpr(int(Rule.MATCH))
+EPS_TVD = tl.constexpr(int(Rule.EPS_TVD))
+LAMBDA = tl.constexpr(int(Rule.LAMBDA))
+SGLANG = tl.constexpr(int(Rule.SGLANG))
+TYPICAL = tl.constexpr(int(Rule.TYPICAL))
 
 # Race weights (MODE) and the auxiliary vocabulary sum (AUX) computed in the same pass.
 W_ARGMAX_P, W_P, W_RESIDUAL, W_P_NOT_X = 0, 1, 2, 3
@@ -90,7 +98,8 @@ def _verify_positions_kernel(
     u_ptr,          # [N] f32
     p_ptr,          # [R, V] f32
     q_ptr,          # [N, V] f32 (p_ptr when HAS_Q is False; never read then)
-    e_ptr,          # [R, V] f32
+    e_ptr,          # [M, V] f32 noise rows
+    noise_row_ptr,  # [R] int64 noise row of each target row
     accept_ptr,     # [R] int8 out
     token_ptr,      # [R] int64 out
     tvd_ptr,        # [R] f32 out
@@ -102,13 +111,13 @@ def _verify_positions_kernel(
     t = tl.load(draft_idx_ptr + i)
     rule = tl.load(rule_ptr + i)
     p_row = p_ptr + i * V
-    e_row = e_ptr + i * V
+    e_row = e_ptr + tl.load(noise_row_ptr + i) * V
     q_row = q_ptr + tl.maximum(t, 0) * V
     x = tl.load(tok_ptr + i)
     prm = tl.load(param_ptr + i)
     prm2 = tl.load(param2_ptr + i)
     if t < 0:                                   # bonus position
-        if rule == 0:
+        if rule == GREEDY:
             _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
         else:
             _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
@@ -121,13 +130,13 @@ def _verify_positions_kernel(
         y = tl.zeros((), tl.int32)
         acc = px != px
         d = tl.zeros((), tl.float32)
-        if rule == 0:                           # GREEDY
+        if rule == GREEDY:
             _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
             acc = y.to(tl.int64) == x
-        elif rule == 2:                         # MATCH
+        elif rule == MATCH:
             _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
             acc = y.to(tl.int64) == x
-        elif rule == 6:                         # TYPICAL
+        elif rule == TYPICAL:
             _b, y, plogp = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
             thr = tl.minimum(prm, prm2 * tl.exp(plogp))       # exp(-H(p))
             acc = px > thr
@@ -152,17 +161,17 @@ def _verify_positions_kernel(
                 d = tl.where(acc, 1.0 - px, 0.0)
         else:                                   # rules reading q(x)
             qx = tl.load(q_row + x)
-            if rule == 1:                       # REJECTION
+            if rule == REJECTION:
                 acc = u * qx < px
                 y = _residual(p_row, q_row, e_row, V, x, 2, BLOCK)
-            elif rule == 3:                     # EPS_TVD
+            elif rule == EPS_TVD:
                 _b, y, tv = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 2, 1, BLOCK)
                 if _b <= 0:
                     _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
                 ratio = tl.where(tv > prm, tl.math.div_rn(prm, tl.where(tv > prm, tv, 1.0)), 1.0)
                 acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
                 d = tl.minimum(prm, tv)
-            elif rule == 4:                     # LAMBDA
+            elif rule == LAMBDA:
                 _b, y, d = _pass(p_row, q_row, e_row, V, x, prm, 1.0, 2, 2, BLOCK)
                 if _b <= 0:
                     _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
@@ -194,7 +203,7 @@ def _block_size(vocab: int, device: torch.device) -> int:
 
 
 def positions_triton(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
-                     exp_noise, *, block: int | None = None):
+                     exp_noise, noise_rows=None, *, block: int | None = None):
     """Triton twin of `kernels.reference.positions_reference` (same arguments and outputs).
 
     `block` overrides the vocabulary block size (a power of two; tests use small blocks to
@@ -208,10 +217,12 @@ def positions_triton(tok, draft_idx, rule, param, param2, uniforms, target_probs
     if num_rows == 0:
         return accept.bool(), token, tvd
     has_q = draft_probs is not None
+    if noise_rows is None:  # target row i reads noise row i
+        noise_rows = torch.arange(num_rows, device=device)
     extra = {"num_warps": 8, "enable_fp_fusion": False} if device.type == "cuda" else {}
     _verify_positions_kernel[(num_rows,)](
         tok.contiguous(), draft_idx.contiguous(), rule.contiguous(), param.contiguous(),
         param2.contiguous(), uniforms.contiguous(), target_probs,
-        draft_probs if has_q else target_probs, exp_noise, accept, token, tvd, vocab,
+        draft_probs if has_q else target_probs, exp_noise, noise_rows.contiguous(), accept, token, tvd, vocab,
         HAS_Q=has_q, BLOCK=block or _block_size(vocab, device), **extra)
     return accept.bool(), token, tvd

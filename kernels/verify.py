@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from kernels.rules import NEEDS_DRAFT_PROBS, NUM_RULES, Rule
+from kernels.layout import RaggedLayout
+from kernels.rules import ACCEPT_READS_NOISE, NEEDS_DRAFT_PROBS, NUM_RULES, Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,25 +50,31 @@ def verify(
     param: torch.Tensor,           # [B] f32
     param2: torch.Tensor,          # [B] f32
     uniforms: torch.Tensor,        # [N] f32, U(0, 1)
-    exp_noise: torch.Tensor,       # [N + B, V] f32, Exp(1)
+    exp_noise: torch.Tensor,       # [N + B, V] f32, Exp(1); [M, V] with noise_rows
     max_k: int,
     *,
+    noise_rows: torch.Tensor | None = None,  # [N + B] int64 noise row of each target row
+    layout: RaggedLayout | None = None,
     check: bool = True,
     backend: str = "auto",
 ) -> VerifyOutput:
     """Verify the drafts of a ragged batch; see the module docstring and docs/contracts.md §2.
 
-    `check=True` validates values (ids, parameters, offsets) at the cost of one host sync;
-    shapes and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
+    `noise_rows` lets target rows share noise rows (`kernels.noise`: one per request where the
+    rule's accept does not read noise); None: target row i reads `exp_noise[i]`. `layout`: the
+    batch's `RaggedLayout` when the caller built it (it must match `cu_num_draft`); else built here.
+    `check=True` validates values (ids, parameters, offsets, noise rows) at the cost of one host
+    sync; shapes and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
     ADAPT_FORCE_TRITON=1, the torch reference otherwise), "triton" or "torch".
     """
     _check_shapes(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
-                  uniforms, exp_noise, max_k)
+                  uniforms, exp_noise, max_k, noise_rows)
     if check:
         _check_values(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
-                      max_k)
-    tok, draft_idx, rule_r, param_r, param2_r = _layout(draft_tokens, cu_num_draft, rule, param,
-                                                        param2)
+                      max_k, exp_noise, noise_rows)
+    if layout is None:
+        layout = RaggedLayout.from_cu(cu_num_draft, draft_tokens.shape[0], max_k)
+    tok, draft_idx, rule_r, param_r, param2_r = _per_target_row(draft_tokens, layout, rule, param, param2)
     if backend == "auto":
         backend = "triton" if use_triton(target_probs.device) else "torch"
     if backend == "triton":
@@ -77,22 +84,15 @@ def verify(
     else:
         raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
     accept, token, tvd = positions(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
-                                   target_probs, draft_probs, exp_noise)
+                                   target_probs, draft_probs, exp_noise, noise_rows)
     return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
 
 
-def _layout(draft_tokens, cu, rule, param, param2):
-    """Per-target-row views: drafted token, draft index (-1 at bonus rows), rule and params."""
-    num_drafts = draft_tokens.shape[0]
-    batch = cu.shape[0] - 1
-    device = draft_tokens.device
-    cu = cu.to(torch.int64)
-    per_row = cu[1:] - cu[:-1] + 1                                       # [B] target rows per request
-    row = torch.repeat_interleave(torch.arange(batch, device=device), per_row,
-                                  output_size=num_drafts + batch)       # [R]
-    draft_idx = torch.arange(num_drafts + batch, device=device) - row   # [R]
-    draft_idx = torch.where(draft_idx == cu[1:][row], -1, draft_idx)    # bonus rows -> -1
-    tok = torch.where(draft_idx >= 0, draft_tokens[draft_idx.clamp_min(0)] if num_drafts else -1, -1)
+def _per_target_row(draft_tokens, layout: RaggedLayout, rule, param, param2):
+    """Per-target-row views: drafted token (-1 at bonus rows), draft index (-1 at bonus rows),
+    rule and params."""
+    draft_idx, row = layout.draft_idx, layout.row
+    tok = torch.where(draft_idx >= 0, draft_tokens[draft_idx.clamp_min(0)] if layout.num_drafts else -1, -1)
     return (tok, draft_idx, rule.to(torch.int32)[row], param.to(torch.float32)[row],
             param2.to(torch.float32)[row])
 
@@ -125,7 +125,7 @@ def _assemble(accept, token, tvd, draft_tokens, cu, max_k) -> VerifyOutput:
 
 
 def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, uniforms,
-                  exp_noise, max_k):
+                  exp_noise, max_k, noise_rows=None):
     def need(cond, field, msg):
         if not cond:
             raise ValueError(f"{field}: {msg}")
@@ -142,9 +142,16 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
     vocab = target_probs.shape[1]
     need(vocab > 0, "target_probs", "vocab size must be > 0")
     need(target_probs.is_contiguous(), "target_probs", "must be contiguous")
-    need(tuple(exp_noise.shape) == (n + b, vocab) and exp_noise.dtype == torch.float32
-         and exp_noise.is_contiguous(), "exp_noise",
-         f"expected contiguous float32 [{n + b}, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
+    if noise_rows is None:
+        need(tuple(exp_noise.shape) == (n + b, vocab) and exp_noise.dtype == torch.float32
+             and exp_noise.is_contiguous(), "exp_noise",
+             f"expected contiguous float32 [{n + b}, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
+    else:
+        need(tuple(noise_rows.shape) == (n + b,) and noise_rows.dtype == torch.int64, "noise_rows",
+             f"expected int64 [{n + b}] (one per target row), got {tuple(noise_rows.shape)} {noise_rows.dtype}")
+        need(exp_noise.dim() == 2 and exp_noise.shape[1] == vocab and exp_noise.dtype == torch.float32
+             and exp_noise.is_contiguous(), "exp_noise",
+             f"expected contiguous float32 [rows, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
     if draft_probs is not None:
         need(tuple(draft_probs.shape) == (n, vocab) and draft_probs.dtype == torch.float32
              and draft_probs.is_contiguous(), "draft_probs",
@@ -157,12 +164,13 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
     device = target_probs.device
     for name, tensor in (("draft_tokens", draft_tokens), ("cu_num_draft", cu), ("rule", rule),
                          ("param", param), ("param2", param2), ("uniforms", uniforms),
-                         ("exp_noise", exp_noise), ("draft_probs", draft_probs)):
+                         ("exp_noise", exp_noise), ("draft_probs", draft_probs), ("noise_rows", noise_rows)):
         need(tensor is None or tensor.device == device, name,
              f"on {tensor.device if tensor is not None else None}, expected {device} (target_probs' device)")
 
 
-def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, max_k):
+def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, max_k,
+                  exp_noise=None, noise_rows=None):
     """All value checks in one host sync."""
     vocab = target_probs.shape[1]
     k = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
@@ -183,6 +191,8 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
         ((r == Rule.LAMBDA) & ~((param > 0) & (param <= 1))).any(),
         ((r == Rule.SGLANG) & ~((param > 0) & (param <= 1) & (param2 > 0) & (param2 <= 1))).any(),
         ((r == Rule.TYPICAL) & ~((param > 0) & (param2 > 0))).any(),
+        false if noise_rows is None else ((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any(),
+        false if noise_rows is None or not k.numel() else _shared_noise_read_by_accept(r, k, noise_rows),
     ]).tolist()
     messages = [
         ("cu_num_draft", "cu_num_draft[0] must be 0"),
@@ -196,7 +206,25 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
         ("param", "LAMBDA needs lambda in (0, 1]"),
         ("param", "SGLANG needs threshold_acc (param) and threshold_single (param2) in (0, 1]"),
         ("param", "TYPICAL needs eps (param) > 0 and delta (param2) > 0"),
+        ("noise_rows", f"noise row ids must lie in [0, {0 if exp_noise is None else exp_noise.shape[0]})"),
+        ("noise_rows", "rows whose rule's accept reads noise (MATCH) need a noise row per target row"),
     ]
     for bad, (field, msg) in zip(flags, messages):
         if bad:
             raise ValueError(f"{field}: {msg}")
+
+
+def _shared_noise_read_by_accept(rule, k, noise_rows):
+    """True if a row with drafts whose rule's accept reads noise has target rows sharing noise."""
+    reads = torch.zeros_like(rule, dtype=torch.bool)
+    for rid in ACCEPT_READS_NOISE:
+        reads |= rule == rid
+    B = k.shape[0]
+    row = torch.repeat_interleave(torch.arange(B, device=k.device), k + 1, output_size=noise_rows.shape[0])
+    distinct = torch.ones_like(noise_rows, dtype=torch.bool)
+    distinct[1:] = noise_rows[1:] != noise_rows[:-1]
+    first = torch.zeros_like(distinct)
+    first[(torch.cumsum(k + 1, 0) - (k + 1))] = True                      # a request's first target row
+    shared = (~distinct & ~first).to(torch.int64)
+    per_row = torch.zeros(B, dtype=torch.int64, device=k.device).index_add_(0, row, shared)
+    return (reads & (k > 0) & (per_row > 0)).any()

@@ -165,7 +165,6 @@ class AdaptivePolicy(Policy):
         w = self.weights(ctx).cpu()                                                    # [B]
         gain = w[:, None] * (win - extra.clamp(min=0)[:, None]).clamp(min=0)           # [B, Ks + 1]
         # per cap: diffusion rows whose suffix draft wins switch, and stop paying for drafter passes
-        kc = torch.arange(Ks + 1)
         diffusing = steps > 0
         k_plan = int(toks.max()) - 1 if B else 0
         raw, wide = torch.zeros(Ks + 1), torch.zeros(Ks + 1, dtype=torch.bool)

@@ -15,7 +15,8 @@ acceptance predictor and step-cost model are handed in (`predictor=`, `cost=`; s
 `adapt.controller.build_policy`), with simple built-in stand-ins from `policies.defaults`.
 
 Every policy must keep three promises, whatever it optimises:
-1. lossless rows get only exact rules (GREEDY, REJECTION, MATCH as `common.exact_rules` picks);
+1. lossless rows get only exact rules (GREEDY, REJECTION, MATCH as `kernels.rules.exact_rules`
+   picks; the engine applies `kernels.rules.enforce_rules` to every answer whatever it says);
 2. ε rows spend at most ε per token and never more than their total budget left;
 3. for sampled lossless rows, the draft length of position ``j`` depends only on features of
    positions ``≤ j`` and on other rows (non-anticipation; docs/controller.md).
@@ -130,6 +131,8 @@ class Policy:
 
     def choose_verify(self, rows, draft):
         t0 = time.thread_time()
+        if draft.confidence.device.type != "cpu":  # decide on the host: one read of the features, none after
+            draft = draft.to_host()
         self.block_size = int(draft.confidence.shape[1]) or self.block_size
         ctx = self._ctx(rows, draft.confidence.device)
         decision = self._verify(rows, draft, ctx)

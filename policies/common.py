@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rules import Rule
 
 
 @dataclass(frozen=True)
@@ -141,14 +140,6 @@ class RequestBook:
             self.idle = torch.where(verified > 0, torch.zeros_like(self.idle), self.idle + 1.0)
 
 
-def exact_rules(temperature: torch.Tensor, steps: torch.Tensor, left_to_right: torch.Tensor) -> torch.Tensor:
-    """[B] int32 exact rule per row: GREEDY at T = 0, REJECTION if q is the true conditional
-    (s ≤ 1 or left-to-right commits), MATCH otherwise."""
-    q_exact = (steps <= 1) | left_to_right
-    rule = torch.where(q_exact, int(Rule.REJECTION), int(Rule.MATCH))
-    return torch.where(temperature <= 0, int(Rule.GREEDY), rule).to(torch.int32)
-
-
 def lenient_eps(eps: torch.Tensor, budget_left: torch.Tensor, draft_len: torch.Tensor, steps: torch.Tensor,
                 left_to_right: torch.Tensor) -> torch.Tensor:
     """[B] leniency this step: the row's ε, capped so that ε · k never exceeds the total budget left,
@@ -157,13 +148,3 @@ def lenient_eps(eps: torch.Tensor, budget_left: torch.Tensor, draft_len: torch.T
     e = torch.minimum(eps, cap)
     ok = ((steps <= 1) | left_to_right) & (steps > 0) & (draft_len > 0)
     return torch.where(ok, e, torch.zeros_like(e)).clamp_min(0.0)
-
-
-def rules_for(temperature: torch.Tensor, steps: torch.Tensor, left_to_right: torch.Tensor,
-              eps_step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rule [B] int32, param [B] float32): EPS_TVD with ε where ε > 0, the exact rule otherwise."""
-    exact = exact_rules(temperature, steps, left_to_right)
-    lenient = eps_step > 0
-    rule = torch.where(lenient, torch.full_like(exact, int(Rule.EPS_TVD)), exact)
-    param = torch.where(lenient, eps_step, torch.zeros_like(eps_step)).to(torch.float32)
-    return rule, param

@@ -48,10 +48,12 @@ def exp_noise(shape, g):
     return torch.rand(shape, generator=g).neg_().log1p_().neg_()
 
 
-def run(ps, qs, rule, prm=0.0, prm2=0.0, n=N, seed=0, sampling_qs=None):
+def run(ps, qs, rule, prm=0.0, prm2=0.0, n=N, seed=0, sampling_qs=None, per_request_noise=False):
     """n identical rows with k = len(qs) drafts; p per target row (ps [k+1, V]), q per draft.
 
     Drafts are drawn from `sampling_qs` (defaults to qs, the q handed to the rule).
+    `per_request_noise`: one race-noise row per request shared by its k + 1 target rows
+    (`kernels.noise`; allowed for rules whose accept does not read noise).
     """
     g = torch.Generator().manual_seed(seed)
     k = qs.shape[0]
@@ -61,9 +63,11 @@ def run(ps, qs, rule, prm=0.0, prm2=0.0, n=N, seed=0, sampling_qs=None):
     e_draft = exp_noise((n * k, VOCAB), g)
     x = (sampling_qs.repeat(n, 1) / e_draft).argmax(-1)                # drafts ~ sampling_qs
     cu = torch.arange(0, n * k + 1, k, dtype=torch.int32)
+    rows = torch.arange(n).repeat_interleave(k + 1) if per_request_noise else None
     out = verify(x, cu, p, q, torch.full((n,), int(rule), dtype=torch.int32),
                  torch.full((n,), float(prm)), torch.full((n,), float(prm2)),
-                 torch.rand(n * k, generator=g), exp_noise((n * (k + 1), VOCAB), g), k)
+                 torch.rand(n * k, generator=g), exp_noise((n if per_request_noise else n * (k + 1), VOCAB), g), k,
+                 noise_rows=rows)
     return out
 
 
@@ -86,13 +90,16 @@ def tv(a, b):
     return 0.5 * float((a.double() - b.double()).abs().sum())
 
 
-@pytest.mark.parametrize("rule", [Rule.REJECTION, Rule.MATCH])
+@pytest.mark.parametrize("rule,per_request_noise", [(Rule.REJECTION, False), (Rule.REJECTION, True), (Rule.MATCH, False)])
 @pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (1.0, 1.0), (1.5, 1.0), (1.0, 0.8), (0.7, 0.6)])
-def test_exact_rules_reproduce_target(rule, temperature, top_p):
+def test_exact_rules_reproduce_target(rule, per_request_noise, temperature, top_p):
+    """Exact rules emit p at every position; REJECTION also with one noise row per request (the
+    engine's layout: its accept reads only the coins, the noise only where the row stops)."""
     ps = torch.stack([target_dist(s, temperature, top_p) for s in (1, 2, 3)])    # [3, V]
     qs = torch.stack([0.5 * draft_dist(s) + 0.5 * ps[i] for i, s in enumerate((1, 2))])  # [2, V]
     qs[1] = 0.5 * draft_dist(2)[None] + 0.5 * ps[2]                            # a drafter off by one
-    out = run(ps, qs, rule, seed=int(temperature * 10) + int(top_p * 100))
+    out = run(ps, qs, rule, seed=int(temperature * 10) + int(top_p * 100) + per_request_noise,
+              per_request_noise=per_request_noise)
     a = out.num_accepted
     assert torch.equal(out.tvd_spent, torch.zeros(N))
     assert chi2_pvalue(counts(out.tokens[:, 0]), ps[0]) > ALPHA

@@ -123,10 +123,10 @@ def test_confidence_order_commits_most_confident_first(setup):
     first = q1.max(-1).values.argsort(-1, descending=True)[:, : K // 2]  # committed in step 1
     assert torch.equal(one.gather(1, first), two.gather(1, first))
     assert torch.allclose(q1.gather(1, first[..., None].expand(-1, -1, V)), q2.gather(1, first[..., None].expand(-1, -1, V)))
-    # sampling with given noise is reproducible and lies in the support of q
-    noise = torch.empty(2, 3, K, V).exponential_(1, generator=torch.Generator().manual_seed(0))
-    a, qa = drafter.draft(anchor, L, kv, pos < L[:, None], steps=2, temperature=1.0, exp_noise=noise)
-    b, _ = drafter.draft(anchor, L, kv, pos < L[:, None], steps=2, temperature=1.0, exp_noise=noise)
+    # sampling with given uniforms is reproducible and lies in the support of q
+    u = torch.rand(3, 2, K, generator=torch.Generator().manual_seed(0))
+    a, qa = drafter.draft(anchor, L, kv, pos < L[:, None], steps=2, temperature=1.0, uniforms=u)
+    b, _ = drafter.draft(anchor, L, kv, pos < L[:, None], steps=2, temperature=1.0, uniforms=u)
     assert torch.equal(a, b) and (qa.gather(-1, a[..., None]) > 0).all()
 
 

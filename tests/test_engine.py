@@ -173,7 +173,7 @@ def test_lazy_drafter_context_equals_the_eager_one(tmp_path):
     run = engine.running
     assert len(run) == 2 and max(r.length - r.ctx_len for r in run) > 0
     assert max(r.length for r in run) > PENDING_WINDOW
-    engine._flush(list(range(len(run))))
+    engine.drafting.flush(engine.running, list(range(len(run))))
     tm, dr = engine.target, engine.drafter
     for slot, req in enumerate(run):
         L = req.length

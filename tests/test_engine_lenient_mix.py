@@ -27,7 +27,7 @@ def test_lenient_rows_with_partial_draft_lengths(pair, draft_lens):
     for i, k in enumerate(draft_lens):
         knobs = DecodeKnobs(steps=1 + i % 2, draft_len=k, quality="tvd=0.2" if i != 1 else "lossless",
                             commit_order="left-to-right")
-        adds.append((f"r{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=12, temperature=0.9, seed=i), knobs))
+        adds.append((f"r{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True), knobs))
     outs = run_to_completion(engine, adds)
     done = {rid[: -len(":stats")]: stats for rid, stats in outs.items() if rid.endswith(":stats")}
     assert sorted(done) == ["r0", "r1", "r2"]

@@ -17,7 +17,8 @@ import torch
 from adapt.bench import gpu_check
 from kernels import DEFAULT_PARAMS, Rule, draw_noise, select_commit, verify
 from kernels.reference import positions_reference
-from kernels.verify import _layout, use_triton
+from kernels.layout import RaggedLayout
+from kernels.verify import _per_target_row, use_triton
 
 LOSSY_PARAMS = {Rule.EPS_TVD: (0.1, 0.0), Rule.LAMBDA: (0.6, 0.0), Rule.SGLANG: (0.7, 0.4),
                 Rule.TYPICAL: (0.09, 0.3)}
@@ -37,13 +38,19 @@ def rule_tensors(rules):
     return rule, prm, prm2
 
 
-def both(x, cu, p, q, rule, prm, prm2, u, e, max_k):
-    ref = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, backend="torch")
-    tri = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, backend="triton")
+def both(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=None):
+    ref = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=noise_rows, backend="torch")
+    tri = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=noise_rows, backend="triton")
     assert torch.equal(ref.tokens, tri.tokens)
     assert torch.equal(ref.num_accepted, tri.num_accepted)
     torch.testing.assert_close(ref.tvd_spent, tri.tvd_spent, atol=2e-6, rtol=1e-5)
     return ref
+
+
+def _layout(x, cu, rule, prm, prm2):
+    """Per-target-row inputs of the positions kernels (drafted token, draft index, rule, params)."""
+    k = (cu[1:] - cu[:-1]).long()
+    return _per_target_row(x, RaggedLayout.from_counts(k, x.shape[0], int(k.max()) if k.numel() else 0), rule, prm, prm2)
 
 
 def loop_assemble(x, cu, accept, token, tvd, max_k):
@@ -151,14 +158,40 @@ def test_seeded_rows_do_not_depend_on_batch_companions():
     x, cu, p, q, _u, _e = make_batch([5, 3, 0, 7], vocab=vocab, seed=6)
     rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.EPS_TVD, Rule.MATCH, Rule.SGLANG])
     gens = [torch.Generator().manual_seed(100 + r) for r in range(4)]
-    u, e = draw_noise(gens, [5, 3, 0, 7], vocab)
+    u, e = (lambda n: (n.uniforms, n.exp_noise))(draw_noise(gens, [5, 3, 0, 7], vocab))
     full = both(x, cu, p, q, rule, prm, prm2, u, e, 16)
     # row 3 alone: drafts 8..14, target rows 11..18
-    u3, e3 = draw_noise([torch.Generator().manual_seed(103)], [7], vocab)
+    u3, e3 = (lambda n: (n.uniforms, n.exp_noise))(draw_noise([torch.Generator().manual_seed(103)], [7], vocab))
     alone = both(x[8:15], torch.tensor([0, 7], dtype=torch.int32), p[11:19].contiguous(),
                  q[8:15].contiguous(), rule[3:], prm[3:], prm2[3:], u3, e3, 16)
     assert torch.equal(alone.tokens[0], full.tokens[3])
     assert torch.equal(u3, u[8:15]) and torch.equal(e3, e[11:19])
+
+
+def test_per_request_noise_rows():
+    """`draw_noise` with rules: one noise row per request except MATCH rows (one per target row)
+    and GREEDY rows (ones, nothing drawn); both backends read the shared rows alike, a seeded row
+    gives the same tokens alone and batched, and `verify` refuses a MATCH row sharing noise."""
+    vocab = 64
+    ks = [5, 3, 0, 7, 2]
+    x, cu, p, q, _u, _e = make_batch(ks, vocab=vocab, seed=9)
+    rules = [Rule.REJECTION, Rule.MATCH, Rule.SGLANG, Rule.EPS_TVD, Rule.GREEDY]
+    rule, prm, prm2 = rule_tensors(rules)
+    gens = [torch.Generator().manual_seed(200 + r) for r in range(5)]
+    gens[4] = None
+    n = draw_noise(gens, ks, vocab, rules=[int(r) for r in rules])
+    assert n.exp_noise.shape == (1 + 4 + 1 + 1 + 1, vocab)
+    assert n.noise_rows.tolist() == [0] * 6 + [1, 2, 3, 4] + [5] + [6] * 8 + [7] * 3
+    assert torch.equal(n.exp_noise[7], torch.ones(vocab))
+    full = both(x, cu, p, q, rule, prm, prm2, n.uniforms, n.exp_noise, 16, n.noise_rows)
+    alone = draw_noise([torch.Generator().manual_seed(203)], [7], vocab, rules=[int(Rule.EPS_TVD)])
+    assert alone.noise_rows is not None and alone.noise_rows.tolist() == [0] * 8
+    out = both(x[8:15], torch.tensor([0, 7], dtype=torch.int32), p[11:19].contiguous(), q[8:15].contiguous(),
+               rule[3:4], prm[3:4], prm2[3:4], alone.uniforms, alone.exp_noise, 16, alone.noise_rows)
+    assert torch.equal(out.tokens[0], full.tokens[3])
+    shared = torch.arange(5).repeat_interleave(torch.tensor(ks) + 1)
+    with pytest.raises(ValueError, match="noise_rows"):
+        verify(x, cu, p, q, rule, prm, prm2, n.uniforms, n.exp_noise[:5].contiguous(), 16, noise_rows=shared)
 
 
 def test_q_rules_without_drafts_need_no_q():
@@ -234,7 +267,7 @@ from kernels.triton_denoise import _select_commit_kernel
 from kernels.triton_verify import _verify_positions_kernel
 ptr = {"tok_ptr": "*i64", "draft_idx_ptr": "*i64", "rule_ptr": "*i32", "param_ptr": "*fp32",
        "param2_ptr": "*fp32", "u_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32",
-       "e_ptr": "*fp32", "accept_ptr": "*i8", "token_ptr": "*i64", "tvd_ptr": "*fp32",
+       "e_ptr": "*fp32", "noise_row_ptr": "*i64", "accept_ptr": "*i8", "token_ptr": "*i64", "tvd_ptr": "*fp32",
        "V": "i32", "HAS_Q": "constexpr", "BLOCK": "constexpr"}
 target = GPUTarget("cuda", 90, 32)
 for has_q in (True, False):

@@ -81,17 +81,29 @@ class RowState:
 
 @dataclass(frozen=True)
 class DraftFeatures:
-    """Features of this step's drafts, on the engine's device. Rows that did not draft have
-    steps 0 and zero features; suffix rows have steps `SUFFIX` and, as confidence, each drafted
-    token's vote share (workers/suffix.py; entropy and margin 0). confidence = max prob of q, entropy of q (nats), margin = top-1
-    minus top-2 prob of q, per drafted position; exact_rule = the engine's exact rule per row."""
+    """Features of this step's drafts. Rows that did not draft have steps 0 and zero features;
+    suffix rows have steps `SUFFIX` and, as confidence, each drafted token's vote share
+    (workers/suffix.py; entropy and margin 0). confidence = max prob of q, entropy of q (nats),
+    margin = top-1 minus top-2 prob of q, per drafted position: [B, K] on the engine's device;
+    steps, exact_rule (the engine's exact rule per row) and conditional: [B], known before
+    drafting, host (CPU) tensors, so that a decision maker that reads only them (as
+    `StaticDecisions` does) answers on the host and costs no device sync."""
 
-    steps: torch.Tensor        # [B] int64
+    steps: torch.Tensor        # [B] int64 (host)
     confidence: torch.Tensor   # [B, K] float32
     entropy: torch.Tensor      # [B, K] float32
     margin: torch.Tensor       # [B, K] float32
-    exact_rule: torch.Tensor   # [B] int32
-    conditional: torch.Tensor  # [B] bool: q are true conditionals (REJECTION is exact)
+    exact_rule: torch.Tensor   # [B] int32 (host)
+    conditional: torch.Tensor  # [B] bool: q are true conditionals (REJECTION is exact) (host)
+
+    def to_host(self) -> "DraftFeatures":
+        """The same features on the CPU, read in one packed copy (one host sync on a GPU): a
+        decision maker that decides on the host pays that one read instead of one per value it
+        reads, and its CPU answer then costs the engine no further sync."""
+        K = self.confidence.shape[1]
+        packed = torch.cat([self.confidence, self.entropy, self.margin], 1).cpu()  # [B, 3K]
+        return DraftFeatures(self.steps.cpu(), packed[:, :K], packed[:, K : 2 * K], packed[:, 2 * K :],
+                             self.exact_rule.cpu(), self.conditional.cpu())
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,7 @@ class StaticDecisions:
                              for kn in rows.knobs], dtype=torch.int64)
 
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision:
-        dev = draft.steps.device
+        dev = draft.steps.device  # the host: reads only host tensors, answers on the host
         k = torch.tensor([kn.draft_len for kn in rows.knobs], dtype=torch.int64, device=dev)
         eps = torch.tensor([kn.tvd_budget for kn in rows.knobs], dtype=torch.float32, device=dev)
         temp = rows.temperature.to(dev)

@@ -370,60 +370,42 @@ class BlockDiffusionDrafter(Fusable):
     @torch.no_grad()
     def draft(self, anchor: torch.Tensor, start: torch.Tensor, ctx_kv, ctx_mask_ctx: torch.Tensor,
               steps: int | torch.Tensor = 1, left_to_right: bool | torch.Tensor = False,
-              temperature: float | torch.Tensor = 0.0, exp_noise: torch.Tensor | None = None,
-              block_size: int | None = None):
-        """Denoise one block per row in `steps` passes (a reference loop, tensor ops only).
+              temperature: float | torch.Tensor = 0.0, uniforms: torch.Tensor | None = None,
+              generator: torch.Generator | None = None, block_size: int | None = None):
+        """Denoise one block per row in `steps` passes over a context given as tensors (training
+        and evaluation; the engine drafts from its cache, `workers.drafting.DrafterContext`). Both
+        run the one denoising loop, `workers.drafting.denoise`.
 
         anchor [B] int64 (token at position `start`), start [B] int64 (= L), ctx_kv per layer
         [B, kv, C, d], ctx_mask_ctx [B, C] bool (context positions < L that exist).
-        `steps` (int or [B] int64): denoising passes per row; the loop runs max(steps) passes and
-        row r commits ceil(K(i+1)/s_r) − ceil(Ki/s_r) positions in its pass i < s_r (rows with
-        s_r = 0 commit nothing and return q = 0). `left_to_right` (bool or [B] bool): commit
-        order; `temperature` (float or [B]; 0 = argmax).
-        exp_noise [max(steps), B, K, V] Exp(1) noise for sampling (drawn here if None).
+        `steps` (int or [B] int64): denoising passes per row (rows with s = 0 commit nothing and
+        return q = 0); `left_to_right` (bool or [B] bool): commit order; `temperature` (float or
+        [B]; 0 = argmax). uniforms [B, max(steps), K] U(0, 1), one per (pass, position), for
+        sampled rows (drawn from `generator` if None and a row samples).
         Returns tokens [B, K] int64 and q [B, K, V] float32, the distribution each token was
-        drawn from (softmax(logits / T); plain softmax for T = 0 rows).
+        drawn from (`workers.sampling.probabilities`: softmax(logits / T); plain softmax at T = 0).
         """
+        from workers.drafting import denoise
+
         K = block_size or self.config.block_size
-        B = anchor.shape[0]
-        dev = anchor.device
-        tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
-        tokens[:, 0] = anchor
-        masked = torch.ones(B, K + 1, dtype=torch.bool, device=dev)
-        masked[:, 0] = False
+        B, dev = anchor.shape[0], anchor.device
         positions = start[:, None] + torch.arange(K + 1, device=dev)  # [B, K + 1]
         ctx_mask = ctx_mask_ctx[:, None, :].expand(B, K + 1, -1)       # [B, K + 1, C]
-        temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(B)
-        l2r = torch.as_tensor(left_to_right, dtype=torch.bool, device=dev).expand(B)
-        q_out = torch.zeros(B, K, self.config.vocab_size, device=dev)
-        order = torch.arange(K, device=dev, dtype=torch.float32)
-        if isinstance(steps, int):
-            row_steps, passes = torch.full((B,), steps, dtype=torch.long, device=dev), steps
-        else:
-            row_steps = steps.to(device=dev, dtype=torch.long)
-            passes = int(row_steps.max()) if B else 0  # one host sync, before the loop
-        s_safe = row_steps.clamp(min=1)
-        for step in range(passes):
-            # per-row commit counts of this pass: ceil(K(i+1)/s) - ceil(Ki/s), 0 once i >= s
-            n_commit = (K * (step + 1) + s_safe - 1) // s_safe - (K * step + s_safe - 1) // s_safe
-            n_commit = torch.where(step < row_steps, n_commit, torch.zeros_like(n_commit))[:, None]  # [B, 1]
+        temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(B).contiguous()
+        l2r = torch.as_tensor(left_to_right, dtype=torch.bool, device=dev).expand(B).contiguous()
+        s_host = [steps] * B if isinstance(steps, int) else [int(s) for s in steps.tolist()]  # one host read
+        passes = max(s_host, default=0)
+        if uniforms is None and bool((temp > 0).any()) and passes:
+            uniforms = torch.rand(B, passes, K, generator=generator).to(dev)
+
+        def one_pass(tokens, masked):
             hidden = self.forward_block(self.embed_block(tokens, masked), positions, ctx_kv, ctx_mask)
-            logits = self.logits(hidden[:, 1:]).float()                       # [B, K, V]
-            scale = torch.where(temp > 0, temp, torch.ones_like(temp))[:, None, None]
-            q = torch.softmax(logits / scale, dim=-1)                          # [B, K, V]
-            noise = exp_noise[step] if exp_noise is not None else torch.empty_like(q).exponential_(1)
-            sampled = torch.where(temp[:, None] > 0, (q / noise).argmax(-1), q.argmax(-1))  # [B, K]
-            still = masked[:, 1:]
-            conf = q.max(-1).values
-            # score: higher commits first; left-to-right prefers low indices
-            score = torch.where(l2r[:, None], -order.expand(B, K), conf)
-            score = score.masked_fill(~still, float("-inf"))
-            rank = score.argsort(dim=-1, descending=True).argsort(dim=-1)       # [B, K]
-            commit = still & (rank < n_commit)
-            tokens[:, 1:] = torch.where(commit, sampled, tokens[:, 1:])
-            q_out = torch.where(commit[..., None], q, q_out)
-            masked[:, 1:] = still & ~commit
-        return tokens[:, 1:], q_out
+            return self.logits(hidden[:, 1:]).float()                  # [B, K, V]
+
+        tokens, q = denoise(one_pass, anchor, s_host, K, temp, None, None, l2r, uniforms)
+        if q.shape[-1] == 0:  # no pass ran
+            q = torch.zeros(B, K, self.config.vocab_size, device=dev)
+        return tokens, q
 
     # -- files --------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:

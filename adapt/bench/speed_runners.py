@@ -133,17 +133,17 @@ class PhaseProbe:
 
         eng._prefill = prefill
         self._undo.append((eng, "_prefill", None))
-        self._wrap(eng, "_draft", "draft")
         self._wrap(eng, "target_forward", "verify_forward")
         # acceptance: verifying drafts (the greedy fast path or `kernels.verify` on the ragged
         # batch), or, in a step where no row verifies drafts, sampling each row's next token
-        for name in ("_verify_greedy", "_verify_ragged", "_sample_next"):
-            self._wrap(eng, name, "acceptance")
+        for name in ("greedy", "ragged", "sample_next"):
+            self._wrap(eng.verifier, name, "acceptance")
         for name in ("choose_steps", "choose_verify", "observe"):
             self._wrap(eng.decisions, name, "decisions")
-        if eng.drafter is not None:  # the lazy drafter-context commit: stash every step, flush to draft
-            self._wrap(eng, "_stash", "cache_commit")
-            self._wrap(eng, "_flush", "cache_commit")
+        if eng.drafting is not None:  # the denoising passes; the lazy drafter-context commit: stash every step, flush to draft
+            self._wrap(eng.drafting, "draft", "draft")
+            self._wrap(eng.drafting, "stash", "cache_commit")
+            self._wrap(eng.drafting, "flush", "cache_commit")
         return self
 
     def __exit__(self, *exc):

@@ -109,11 +109,9 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
         active = torch.tensor([new_tokens > 1] * B, device=device)
         idx = torch.arange(K, device=device)
         while bool(active.any()):
-            noise = None
-            if temperature > 0:
-                noise = torch.empty(steps, B, K, drafter.config.vocab_size).exponential_(1, generator=gen).to(device)
+            uniforms = torch.rand(B, steps, K, generator=gen).to(device) if temperature > 0 else None
             drafts, q = drafter.draft(anchor, start, ctx_kv, valid, steps=steps, left_to_right=left_to_right,
-                                      temperature=temperature, exp_noise=noise, block_size=K)  # [B, K], [B, K, V]
+                                      temperature=temperature, uniforms=uniforms, block_size=K)  # [B, K], [B, K, V]
             block = torch.cat((anchor[:, None], drafts), 1)                  # [B, K + 1]
             block_pos = start[:, None] + torch.arange(K + 1, device=device)  # [B, K + 1]
             feats, p_logits = forward(block, torch.cat((valid, torch.ones_like(block, dtype=torch.bool)), 1), block_pos)

@@ -1,0 +1,216 @@
+"""Drafting: the drafter's context cache and the one denoising loop.
+
+Words:
+- **drafter context**: the K/V the drafter's layers attend to, projected from the target's
+  hidden states at committed positions (`DrafterContext.cache`, one slot per running request).
+- **lazy context commit**: a row's context K/V of positions `[ctx_len, L)` are computed only when
+  the row next drafts (or when its stash of `PENDING_WINDOW` positions fills), from the target
+  hidden states kept in `pending`. Rows that decode without drafts thus pay one batched context
+  pass per `PENDING_WINDOW` tokens instead of one per step.
+- **denoising**: the drafter starts from the block `[anchor, MASK x K]` and in each of `s` passes
+  commits some still-masked positions (most-confident-first or left-to-right, `select_commit`),
+  recording the distribution q each committed token was drawn from. `denoise` is the only
+  denoising loop: the engine, `BlockDiffusionDrafter.draft` and the drafter's evaluation all
+  call it, with their own one-pass function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kernels.denoise import select_commit
+from workers.decisions import SUFFIX
+from workers.kv_cache import KVCache
+from workers.sampling import argmax, inverse_cdf_sample, probabilities
+from workers.step_batch import StepBatch, common_value
+
+PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
+
+
+def commit_counts(steps: torch.Tensor, still: torch.Tensor, it: int) -> torch.Tensor:
+    """[B] int32 positions each row commits in denoising pass `it`: its still-masked positions
+    spread evenly over its remaining passes (ceil(masked / passes left)); 0 once `it` >= s."""
+    left = (steps - it).clamp(min=1)
+    return torch.where(steps > it, (still.sum(1) + left - 1) // left, 0).to(torch.int32)
+
+
+def denoise(one_pass: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], anchor: torch.Tensor,
+            steps: list[int], block: int, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
+            top_p: torch.Tensor | None = None, left_to_right: torch.Tensor | None = None,
+            uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Denoise one block per row; returns drafted tokens [B, K] int64 and q [B, K, V] float32, the
+    distribution each token was drawn from (rows with s = 0 commit nothing: tokens 0, q 0).
+
+    one_pass(tokens, masked) -> logits [B, K, V] float32 of the K block positions, given the block
+    tokens / masked flags [B, K + 1] (the anchor first). anchor [B] int64; steps: s per row (host
+    ints: the loop runs max(s) passes); temperature [B] (0 = argmax), top_k / top_p [B] or None;
+    left_to_right [B] bool (None = most-confident-first everywhere); uniforms [B, max(s), K] U(0, 1)
+    for sampled rows, one per (pass, position) (None when every row is greedy). A token is drawn
+    by inverting the CDF of `probabilities(logits, T, top_k, top_p)` at its uniform.
+    """
+    B, K, dev = anchor.shape[0], block, anchor.device
+    s_max = max(steps) if steps else 0
+    s_d = torch.tensor(steps, device=dev)
+    tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
+    tokens[:, 0] = anchor
+    masked = torch.ones(B, K + 1, dtype=torch.bool, device=dev)
+    masked[:, 0] = False
+    l2r = torch.zeros(B, dtype=torch.bool, device=dev) if left_to_right is None else left_to_right
+    greedy = temperature <= 0
+    rep = (lambda t: None if t is None else t.repeat_interleave(K))
+    T_rep, tk_rep, tp_rep = rep(temperature), rep(top_k), rep(top_p)
+    q_rec = None
+    for it in range(s_max):
+        logits = one_pass(tokens, masked)  # [B, K, V]
+        if uniforms is None:  # every row greedy: `probabilities` at T = 0 is the plain softmax, bit for bit
+            q = torch.softmax(logits, -1)
+            x = argmax(q)  # [B, K]
+        else:
+            q = probabilities(logits.flatten(0, 1), T_rep, tk_rep, tp_rep).view(B, K, -1)
+            x = torch.where(greedy[:, None], argmax(q), inverse_cdf_sample(q, uniforms[:, it]))  # [B, K]
+        if s_max == 1 and min(steps) == 1:  # one pass: every row commits its whole block
+            return x, q
+        if q_rec is None:
+            q_rec = torch.zeros_like(q)
+        c = q.gather(-1, x[..., None]).squeeze(-1)
+        still = masked[:, 1:]
+        commit = select_commit(c, still, commit_counts(s_d, still, it), l2r)
+        tokens[:, 1:] = torch.where(commit, x, tokens[:, 1:])
+        q_rec = torch.where(commit[..., None], q, q_rec)
+        masked[:, 1:] = still & ~commit
+    if q_rec is None:  # no pass ran (every s = 0)
+        return tokens[:, 1:], torch.zeros(B, K, 0, device=dev)
+    return tokens[:, 1:], q_rec
+
+
+def draw_uniforms(generators: list, steps: list[int], block: int, device) -> torch.Tensor | None:
+    """[B, max(s), K] denoising uniforms, row r's first s_r passes drawn from its own generator
+    (None = greedy, zeros); None when no row samples."""
+    if all(g is None for g in generators):
+        return None
+    u = torch.zeros(len(generators), max(steps), block, device=device)
+    for b, (g, s) in enumerate(zip(generators, steps)):
+        if g is not None:
+            u[b, :s].uniform_(generator=g)
+    return u
+
+
+class DrafterContext:
+    """The drafter-context cache of an engine's slots and the stash of target hidden states not
+    yet written to it (see the module docstring). `context_kv(hidden, positions)` projects hidden
+    states [n, P, width] to per-layer K/V; `draft_pass(tokens, masked, ctx, mask, cos, sin)` is
+    the drafter's one denoising pass (`BlockDiffusionDrafter.block_logits`, maybe compiled)."""
+
+    def __init__(self, drafter, context_kv, draft_pass, max_batch: int, capacity: int, width: int,
+                 dtype: torch.dtype, device: torch.device):
+        dc = drafter.config
+        self.drafter, self.context_kv, self.draft_pass = drafter, context_kv, draft_pass
+        self.block, self.vocab, self.device = dc.block_size, dc.vocab_size, device
+        self.cache = KVCache(dc.num_layers, max_batch, dc.num_kv_heads, capacity, dc.head_dim, dtype=dtype, device=device)
+        # [max_batch, PENDING_WINDOW, n * H] target hidden states not yet in the drafter context
+        self.pending = torch.zeros(max_batch, PENDING_WINDOW, width, dtype=dtype, device=device)
+
+    def write_prompt(self, hidden: torch.Tensor, row0: int) -> None:
+        """Write the context of prompts prefilled into slots row0 .. row0 + m (hidden [m, P, width])."""
+        m, P = hidden.shape[:2]
+        pos = torch.arange(P, device=self.device).expand(m, P)
+        self.cache.write_span(self.drafter.context_kv(hidden, pos, bound=self.cache.max_len), row0, 0)
+
+    def stash(self, running: list, hidden: torch.Tensor, Tq: int) -> None:
+        """Keep the target hidden states [B, Tq, width] of this step's positions L .. L + Tq − 1 of
+        every running row until it drafts (positions past its new length are overwritten later).
+        Rows whose stash would overflow are flushed first."""
+        full = [i for i, r in enumerate(running) if r.length - r.ctx_len + Tq > PENDING_WINDOW]
+        if full:
+            self.flush(running, full)
+        B, dev = len(running), self.device
+        offs = [r.length - r.ctx_len for r in running]
+        off = common_value(offs)
+        if off is not None:  # the same offset for every row: one plain copy (index_put_ costs ~8x more)
+            self.pending[:B, off : off + Tq] = hidden
+            return
+        offs = torch.tensor(offs, device=dev)                                             # [B]
+        rows = torch.arange(B, device=dev)[:, None].expand(B, Tq)
+        self.pending.index_put_((rows, offs[:, None] + torch.arange(Tq, device=dev)), hidden.to(self.pending.dtype))
+
+    def flush(self, running: list, idx: list[int]) -> None:
+        """Write the drafter-context K/V of the stashed positions [ctx_len, L) of rows `idx`."""
+        dev = self.device
+        idx = [i for i in idx if running[i].length > running[i].ctx_len]
+        if not idx:
+            return
+        P = max(running[i].length - running[i].ctx_len for i in idx)
+        bound = self.cache.max_len
+        starts = [running[i].ctx_len for i in idx]
+        common = common_value(starts)
+        if common is not None and idx == list(range(idx[0], idx[0] + len(idx))):  # a slice of rows, one start
+            # fresh contiguous tensors, as the gathered rows below are, whatever P: a compiled
+            # context_kv then has the same programs for both (a slice of the stash is contiguous
+            # only when P = PENDING_WINDOW, and is not an inference tensor)
+            pos = torch.arange(common, common + P, device=dev).repeat(len(idx), 1)      # [n, P]
+            kv = self.context_kv(self.pending[idx[0] : idx[0] + len(idx), :P].clone(), pos)
+            self.cache.write_span(kv, idx[0], common)
+        else:
+            rows = torch.tensor(idx, device=dev)
+            start = torch.tensor(starts, device=dev)                                     # [n]
+            pos = start[:, None] + torch.arange(P, device=dev)                           # [n, P]
+            # a row's entries past its own count land at positions >= L: masked, overwritten later
+            kv = self.context_kv(self.pending[rows, :P], pos.clamp(max=bound - 1))
+            self.cache.write_rows(kv, rows, start)
+        for i in idx:
+            running[i].ctx_len = running[i].length
+
+    def move(self, src: int, dst: int, req) -> None:
+        """Move slot `src`'s context and stash to slot `dst` (a request's slot changes)."""
+        self.cache.move(src, dst, req.ctx_len + 1)
+        n = req.length - req.ctx_len
+        if n > 0:
+            self.pending[dst, :n] = self.pending[src, :n]
+
+    def draft(self, batch: StepBatch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Denoise `[anchor, MASK x K]` for rows `rows` of `batch` (whose context must be written:
+        `flush` them first).
+        Returns drafted tokens [Bd, K] and q [Bd, K, V], the distribution each was drawn from.
+
+        The block's keys / values go into the drafter-context cache right after the longest
+        row's context (columns C .. C + K, free: past every drafting row's length), so attention
+        reads context and block in place; RoPE and the mask are built once for all passes."""
+        running = batch.requests
+        dev, K, dr = self.device, self.block, self.drafter
+        everyone = len(rows) == batch.size
+        sel = None if everyone else torch.tensor(rows, device=dev)
+        pick = (lambda t: t) if everyone else (lambda t: None if t is None else t[sel])
+        Bd = len(rows)
+        L = pick(batch.lengths)
+        lens = [batch.lengths_host[i] for i in rows]
+        C = max(lens)
+        W = C + K + 1  # context columns, then the block's
+        ctx = self.cache.views(0, Bd, W) if everyone else self.cache.gather(sel, W)
+        dtype = dr.mask_embedding.dtype
+        mask = None  # one context length: every row attends to all W columns
+        if common_value(lens) is None:
+            cols = torch.arange(W, device=dev)
+            attend = (cols[None] < L[:, None]) | (cols[None] >= C)  # [Bd, W]: own context and the block
+            mask = torch.zeros(Bd, 1, W, dtype=dtype, device=dev).masked_fill_(~attend[:, None], float("-inf"))
+        positions = L[:, None] + torch.arange(K + 1, device=dev)  # [Bd, K + 1]
+        rope = dr.rope(positions, dtype, bound=self.cache.max_len)
+        steps = [batch.steps_host[i] for i in rows]
+        uniforms = draw_uniforms([running[i].generator for i in rows], steps, K, dev)
+        return denoise(lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope), pick(batch.anchors),
+                       steps, K, pick(batch.temperature), pick(batch.top_k), pick(batch.top_p),
+                       pick(batch.left_to_right), uniforms)
+
+
+def suffix_drafts(requests, steps: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The suffix drafts (`RequestState.suffix_draft`) of rows with s = SUFFIX, padded: tokens
+    [B, width] int64 and their vote shares [B, width] float32 (CPU; other rows zero)."""
+    B = len(requests)
+    tok, conf = np.zeros((B, width), np.int64), np.zeros((B, width), np.float32)
+    for i, (req, s) in enumerate(zip(requests, steps)):
+        if s == SUFFIX:
+            d = req.suffix_draft
+            tok[i, : len(d.tokens)], conf[i, : len(d.probs)] = d.tokens, d.probs
+    return torch.from_numpy(tok), torch.from_numpy(conf)

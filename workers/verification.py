@@ -1,0 +1,159 @@
+"""Verification: the target's verdict on a step's drafts, and the step's one host read.
+
+Words:
+- **acceptance counters**: per slot and draft position j, how often a draft at j was accepted
+  and how often it was *reached* (verified with every earlier draft accepted); their ratio is the
+  request's `accept_per_position`.
+- **host rows**: everything the host needs from a step, packed per row into one float64 matrix
+  and read in the step's one host sync: [tokens (Tq), accepted, emitted, tvd, (accept per
+  position (Kc), positions verified), features]; `workers.step_batch.StepResult.unpack` names
+  its fields.
+
+Every sampled request draws its coins and race noise from its own generator
+(`kernels.draw_noise`), one noise row per request except where the rule's accept reads the noise
+(MATCH), so a seeded request's tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import draw_noise, verify
+from kernels.reference import race
+from kernels.rules import NEEDS_DRAFT_PROBS, Rule
+from kernels.verify import VerifyOutput
+from workers.sampling import argmax, probabilities
+from workers.step_batch import StepBatch
+
+# rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
+USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
+
+
+class AcceptCounters:
+    """Acceptance counters [max_batch, Kc] per slot (see the module docstring)."""
+
+    def __init__(self, max_batch: int, width: int, device: torch.device):
+        self.width = max(width, 1)
+        self.accepted = torch.zeros(max_batch, self.width, device=device)  # accepted at draft position j
+        self.reached = torch.zeros(max_batch, self.width, device=device)   # verified with all before accepted
+
+    def reset(self, row0: int, n: int) -> None:
+        self.accepted[row0 : row0 + n] = 0
+        self.reached[row0 : row0 + n] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        self.accepted[dst] = self.accepted[src]
+        self.reached[dst] = self.reached[src]
+
+    def update(self, accepted: torch.Tensor, draft_len: torch.Tensor) -> list[torch.Tensor]:
+        """Count a step's outcome (accepted / draft_len [B] int64) for slots 0 .. B − 1; returns
+        the host-row columns [accept per position (Kc), positions ever verified (1)] as float64."""
+        B = accepted.shape[0]
+        j = torch.arange(self.width, device=accepted.device)
+        self.accepted[:B] += (j[None] < accepted[:, None]).float()
+        self.reached[:B] += ((j[None] < draft_len[:, None]) & (j[None] <= accepted[:, None])).float()
+        apos = self.accepted[:B] / self.reached[:B].clamp(min=1)
+        return [apos.double(), (self.reached[:B] > 0).sum(1, keepdim=True).double()]
+
+
+def stop_table(requests, device) -> torch.Tensor:
+    """[B, S] each request's stop ids, padded with -2 (no token)."""
+    S = max(1, max(len(r.stop_ids) for r in requests))
+    return torch.tensor([list(r.stop_ids) + [-2] * (S - len(r.stop_ids)) for r in requests], device=device)
+
+
+def next_token_noise(requests, vocab: int, device) -> torch.Tensor:
+    """[B, V] Exp(1) race noise, one row per request from its generator (ones for greedy rows)."""
+    rules = [int(Rule.REJECTION if r.generator is not None else Rule.GREEDY) for r in requests]
+    return draw_noise([r.generator for r in requests], [0] * len(requests), vocab, device, rules=rules).exp_noise
+
+
+class Verifier:
+    """Verifies a planned `StepBatch` and reads the step back (see the module docstring)."""
+
+    def __init__(self, counters: AcceptCounters, device: torch.device):
+        self.counters = counters
+        self.device = device
+
+    def verify(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full) -> VerifyOutput:
+        """logits [B, Tq, V] of each row's anchor and drafts; drafts [B, K]; q_full [B, K, V] or None."""
+        if batch.plan.all_greedy:
+            return self.greedy(logits, drafts, batch.plan.draft_len)
+        return self.ragged(batch, logits, drafts, q_full)
+
+    def ragged(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full) -> VerifyOutput:
+        """`kernels.verify` on the ragged flat batch (contracts §2): target rows of each request's
+        anchor and drafts, each request's probabilities, noise and coins from its own generator."""
+        plan, dev = batch.plan, self.device
+        B, Tq, V = logits.shape
+        lay, k_host = plan.layout, plan.draft_len_host
+        kmax, n = Tq - 1, lay.num_drafts
+        needs_q = any(rr in USES_DRAFT_PROBS for rr, kk in zip(plan.rule_host, k_host) if kk > 0)
+        if min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
+            logits_flat = logits.reshape(B * Tq, V)
+            draft_flat = drafts[:, :kmax].reshape(-1)  # [n]
+            q_flat = q_full[:, :kmax].reshape(n, V) if needs_q else None  # [n, V]
+            rep = lambda t: None if t is None else t.repeat_interleave(Tq)
+        else:
+            logits_flat = logits[lay.row, lay.col]                 # [n + B, V]
+            draft_flat = drafts[lay.draft_row, lay.draft_col]      # [n]
+            q_flat = q_full[lay.draft_row, lay.draft_col] if needs_q else None  # [n, V]
+            rep = lambda t: None if t is None else t[lay.row]
+        p_flat = probabilities(logits_flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))  # [n + B, V]
+        noise = draw_noise([r.generator for r in batch.requests], k_host, V, dev, rules=plan.rule_host, layout=lay)
+        if q_flat is not None:
+            q_flat = q_flat.contiguous()  # the kernels read rows by pointer; a no-op when already contiguous
+        return verify(draft_flat, lay.cu, p_flat, q_flat, plan.rule, plan.param, plan.param2, noise.uniforms,
+                      noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> VerifyOutput:
+        """`kernels.verify` for a batch whose rows all verify with GREEDY (T = 0), on the padded
+        [B, Tq] layout (no ragged flattening, rule groups or noise): a row accepts its drafts
+        while each equals the argmax of p at its position and emits the argmax at the first
+        mismatch (or the bonus position). logits [B, Tq, V]; drafts [B, K]; k [B] int64."""
+        B, Tq, V = logits.shape
+        kmax = Tq - 1
+        p = torch.softmax(logits.reshape(B * Tq, V), -1)  # [B * Tq, V]: `probabilities` at T = 0, bit for bit
+        y = argmax(p).view(B, Tq)                                                 # argmax p per position
+        j = torch.arange(Tq, device=logits.device)
+        match = (drafts[:, :kmax] == y[:, :kmax]) & (j[None, :kmax] < k[:, None])  # [B, kmax]
+        a = match.to(torch.int32).cumprod(1).sum(1)                                # [B] leading matches
+        tokens = torch.where(j[None, :kmax] < a[:, None], drafts[:, :kmax], -1)
+        tokens = torch.cat((tokens, tokens.new_full((B, 1), -1)), 1)                # [B, Tq], -1 padded
+        tokens.scatter_(1, a[:, None].long(), y.gather(1, a[:, None].long()))
+        return VerifyOutput(tokens=tokens, num_accepted=a.to(torch.int32),
+                            tvd_spent=torch.zeros(B, device=logits.device))
+
+    def commit(self, batch: StepBatch, out: VerifyOutput, feats) -> tuple[list[list[float]], int]:
+        """Stop conditions and counters on the device, then the step's one host sync. Returns
+        (host rows, Kc) (see the module docstring); feats: tensors [B, K] to read back, or ()."""
+        dev = self.device
+        Tq = out.tokens.shape[1]
+        a = out.num_accepted.to(torch.int64)
+        emit = a + 1
+        j = torch.arange(Tq, device=dev)
+        stops = stop_table(batch.requests, dev)  # [B, S]
+        is_stop = (out.tokens[:, :, None] == stops[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
+        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
+        n_emit = torch.minimum(emit, first_stop + 1)
+        packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(), out.tvd_spent[:, None].double()]
+        packed += self.counters.update(a, batch.plan.draft_len)
+        packed += [f.double() for f in feats]
+        return torch.cat(packed, 1).tolist(), self.counters.width  # the step's one host sync
+
+    def sample_next(self, logits: torch.Tensor, requests, temperature, top_k, top_p, feats) -> list[list[float]]:
+        """The autoregressive step (no row verifies a draft): logits [B, V] of each row's anchor
+        position; each row emits one token, drawn as `kernels.verify` draws a bonus token (argmax of
+        p for T = 0 rows, the exponential race over p otherwise, with the same noise), without the
+        ragged layout, rules and counters (nothing is accepted, so they do not change).
+        Returns host rows as `commit`'s with no counters: [token, 0, 1, 0.0, *feats]."""
+        B, V = logits.shape
+        if all(r.generator is None for r in requests):  # all greedy (T = 0): no noise to draw
+            tok = argmax(torch.softmax(logits, -1))  # `probabilities` at T = 0, bit for bit
+        else:
+            p = probabilities(logits, temperature, top_k, top_p)  # [B, V]
+            tok = torch.where(temperature <= 0, argmax(p), race(p, next_token_noise(requests, V, self.device))[0])
+        zero = torch.zeros(B, 1, dtype=torch.float64, device=self.device)
+        cols = [tok[:, None].double(), zero, zero + 1, zero] + [f.double() for f in feats]
+        return torch.cat(cols, 1).tolist()  # the step's one host sync
