@@ -16,6 +16,7 @@ Words:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 from kernels.denoise import select_commit
 from workers.decisions import SUFFIX
 from workers.kv_cache import KVCache
-from workers.sampling import argmax, inverse_cdf_sample, probabilities
+from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities
 from workers.step_batch import StepBatch, common_value
 
 PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
@@ -214,3 +215,48 @@ def suffix_drafts(requests, steps: list[int], width: int) -> tuple[torch.Tensor,
             d = req.suffix_draft
             tok[i, : len(d.tokens)], conf[i, : len(d.probs)] = d.tokens, d.probs
     return torch.from_numpy(tok), torch.from_numpy(conf)
+
+
+@dataclass(frozen=True)
+class StepDrafts:
+    """Every row's draft in a step, padded to the engine's width K (rows without a draft: zeros):
+    tokens, q (None unless a diffusion row drafted: the distribution each token was drawn from),
+    and the features the decision maker and the traces read (confidence: max of q, or a suffix
+    token's vote share; entropy and margin of q)."""
+
+    tokens: torch.Tensor       # [B, K] int64
+    q: torch.Tensor | None     # [B, K, V] float32
+    confidence: torch.Tensor   # [B, K] float32
+    entropy: torch.Tensor      # [B, K] float32
+    margin: torch.Tensor       # [B, K] float32
+
+
+def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, with_features: bool) -> StepDrafts:
+    """The drafts of one step: suffix rows (s = SUFFIX) take their suffix drafts, rows with s > 0
+    are denoised together (their drafter context flushed first). `with_features`: compute the
+    diffusion rows' features (a top-2 and an entropy over [B, K, V]); zeros otherwise."""
+    B, K = batch.size, width
+    dev = batch.lengths.device
+    tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+    conf = torch.zeros(B, K, device=dev)
+    ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
+    q_full = None
+    if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
+        tok_s, conf_s = suffix_drafts(batch.requests, batch.steps_host, K)
+        tokens, conf = tok_s.to(dev), conf_s.to(dev)
+    rows = batch.diffusion_rows
+    if rows:
+        context.flush(batch.requests, rows)
+        tok_d, q_d = context.draft(batch, rows)
+        if with_features:
+            c, e, mg = draft_features(q_d)
+        else:  # nobody reads them: zeros, as for rows that do not draft
+            c = e = mg = torch.zeros(len(rows), K, device=dev)
+        if len(rows) == B:
+            tokens, conf, ent, margin, q_full = tok_d, c, e, mg, q_d
+        else:
+            sel = torch.tensor(rows, device=dev)
+            tokens[sel], conf[sel], ent[sel], margin[sel] = tok_d, c, e, mg
+            q_full = torch.zeros(B, K, q_d.shape[-1], device=dev)
+            q_full[sel] = q_d
+    return StepDrafts(tokens, q_full, conf, ent, margin)

@@ -40,10 +40,10 @@ from kernels.rules import enforce_rules, exact_rules
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
-from workers.drafting import PENDING_WINDOW, DrafterContext, suffix_drafts
+from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step
 from workers.linear import prepare_for_inference
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
-from workers.sampling import draft_features, probabilities, race_sample
+from workers.sampling import probabilities, race_sample
 from workers.step_batch import RequestState, StepBatch, StepPlan, StepResult, common_value, sampling_tensors
 from workers.suffix import SuffixConfig, SuffixDrafter
 from workers.target_model import load_target, resolve_dtype
@@ -366,7 +366,7 @@ class Engine:
 
     def _decode(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        dev, run, B, K, V = self.device, self.running, len(self.running), self.width, self.vocab
+        run, K = self.running, self.width
         rows = self._row_state()
         steps = self.decisions.choose_steps(rows).to(torch.int64).cpu().clamp(SUFFIX, self.block)  # host [B]
         if rows.suffix_len is None:  # no suffix drafts this step
@@ -379,50 +379,30 @@ class Engine:
         batch = self._batch(rows, steps, s_host)
 
         # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
-        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)  # [B, K]
-        conf = torch.zeros(B, K, device=dev)
-        ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
-        q_full = None
-        if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
-            tok_s, conf_s = suffix_drafts(run, batch.steps_host, K)
-            drafts, conf = tok_s.to(dev), conf_s.to(dev)
-        drows = batch.diffusion_rows
-        if drows:
-            self.drafting.flush(run, drows)
-            tok_d, q_d = self.drafting.draft(batch, drows)
-            if self._reads_features():
-                c, e, mg = draft_features(q_d)
-            else:  # nobody reads them: zeros, as for rows that do not draft
-                c = e = mg = torch.zeros(len(drows), K, device=dev)
-            if len(drows) == B:
-                drafts, conf, ent, margin, q_full = tok_d, c, e, mg, q_d
-            else:
-                sel = torch.tensor(drows, device=dev)
-                drafts[sel], conf[sel], ent[sel], margin[sel] = tok_d, c, e, mg
-                q_full = torch.zeros(B, K, V, device=dev)
-                q_full[sel] = q_d
+        drafts = draft_step(batch, self.drafting, K, self._reads_features())
         t_draft = time.perf_counter()
 
         # (3) draft length and rule per row; lossless rows get exact rules only
-        feats = DraftFeatures(batch.steps_cpu, conf, ent, margin, batch.exact_rule, batch.conditional)
+        feats = DraftFeatures(batch.steps_cpu, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
+                              batch.conditional)
         batch = batch.planned(self._plan(batch, feats))
 
         # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
         kmax = batch.plan.max_k
         Tq = kmax + 1
-        inp = torch.cat([batch.anchors[:, None], drafts[:, :kmax]], 1)  # [B, Tq]
+        inp = torch.cat([batch.anchors[:, None], drafts.tokens[:, :kmax]], 1)  # [B, Tq]
         width = max(batch.lengths_host) + Tq
         logits, hidden = self.target_forward(inp, batch.lengths, self.tcache, 0, width,  # [B, Tq, V]
                                              start_value=batch.common_length)
         if self.drafting is not None:
             self.drafting.stash(run, hidden, Tq)
         tracing = self.trace_sink is not None
-        trace_feats = (conf, ent, margin) if tracing else ()
+        trace_feats = (drafts.confidence, drafts.entropy, drafts.margin) if tracing else ()
         if kmax == 0:  # no row verifies a draft: each row just samples its next token
             host = self.verifier.sample_next(logits[:, 0], run, batch.temperature, batch.top_k, batch.top_p, trace_feats)
             Kc = 0
         else:
-            out = self.verifier.verify(batch, logits, drafts, q_full)
+            out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q)
             host, Kc = self.verifier.commit(batch, out, trace_feats)  # (5) the step's one host read
         now = time.perf_counter()
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
