@@ -52,6 +52,14 @@ class Stack:
                 ray.shutdown()
 
 
+# Serve's router places a request on a replica by its queue length: from its own cache (what it
+# sent) or, for a replica not in it, by asking the replica, with 0.1 s to answer by default. On a
+# machine whose cores the decoders keep busy the answer is often later; the replica then stays out
+# of the cache, and every request goes to the replicas in it until they are full (two workers, six
+# requests: all six on one, seen here). A second to answer keeps every replica in the running.
+_ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}
+
+
 def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis_url: str | None = None,
                 policy: str | None = None, policy_file: str | None = None, model_name: str = "adapt-demo",
                 defaults: ServerDefaults | None = None, engine_options: dict[str, Any] | None = None,
@@ -112,7 +120,7 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
             "max_queue": max_queue,
             "decoder_options": {"num_replicas": num_workers, "max_ongoing_requests": max_batch,
                                 "ray_actor_options": actor_options},
-            "ingress_options": {"ray_actor_options": {"num_cpus": 0}}}
+            "ingress_options": {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": _ROUTER_ENV}}}}
     owns_serve = False
     try:
         app = app_builder(args)  # checks the policy file (and publishes it to Redis) before Serve starts
