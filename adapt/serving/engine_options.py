@@ -1,8 +1,8 @@
 """Engine options checked where they cross into serving: `adapt serve` / `start_stack` and the
 Ray Serve application's ``engine_options`` (``deploy/serve_config.yaml``).
 
-A decoder worker builds ``workers.engine.EngineConfig(**config)`` in its own process (a Ray actor
-or a Serve replica), so a misspelt or ill-typed option used to surface there, late and as a bare
+A decoder worker builds ``workers.engine.EngineConfig(**config)`` in its own process (a Serve
+Decoder replica), so a misspelt or ill-typed option used to surface there, late and as a bare
 ``TypeError`` from a dataclass. `validate_engine_options` checks them on the caller's side
 against a pydantic model that mirrors `EngineConfig`'s fields (built from the dataclass itself,
 so it cannot drift from it): an unknown option or a value of the wrong type is a ``ValueError``

@@ -11,7 +11,7 @@ Three kinds of state are shared between the decoder workers, the ingress and the
   fall off when it is full. Refits of the predictor read it.
 
 `StateStore` is the interface; `InProcessStore` implements it in memory for one process (and is
-what the controller actor hosts when no Redis URL is given); `adapt.serving.redis_store.RedisStore`
+what the Controller replica hosts when no Redis URL is given); `adapt.serving.redis_store.RedisStore`
 implements it on Redis. Everything stored is JSON: nothing is ever unpickled from shared state.
 """
 
