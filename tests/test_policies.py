@@ -75,12 +75,13 @@ def test_lossless_rows_get_exact_rules_and_eps_rows_stay_in_budget():
     rows = make_rows(B, K, quality, targets, temperature=[0.8] * 4 + [0.0, 0.8, 0.8, 0.8], tvd_spent=spent)
     conf = torch.rand(B, K, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5
     for name in policies.names():
-        p = policies.get(name)
+        # adaptive may decline to draft with the built-in stand-in predictor: made to draft here
+        p = policies.get(name, **({"allow_no_draft": False} if name == "adaptive" else {}))
         steps = p.choose_steps(rows)
         draft = make_draft(rows, torch.where(steps > 0, 1, 0), conf)
         d = p.choose_verify(rows, draft)
         for i in range(B):
-            if quality[i] == "lossless" or rows.temperature[i] == 0:
+            if quality[i] == "lossless" or rows.temperature[i] == 0 or name == "dspark":  # dspark: exact only
                 assert int(d.rule[i]) in EXACT_RULES, (name, i)
             if int(d.rule[i]) == Rule.EPS_TVD:
                 eps = float(d.param[i])
@@ -89,6 +90,9 @@ def test_lossless_rows_get_exact_rules_and_eps_rows_stay_in_budget():
                 assert eps * int(d.draft_len[i]) <= left + 1e-6, (name, i)  # worst case stays in budget
         assert int(d.rule[5]) != Rule.EPS_TVD  # budget spent
         assert (d.draft_len <= K).all() and (d.draft_len >= 0).all()
+        lenient = [i for i in range(B) if int(d.rule[i]) == Rule.EPS_TVD and int(d.draft_len[i]) > 0]
+        if name != "dspark":
+            assert lenient, f"{name}: no row spent its budget, so the checks above checked nothing"
 
 
 def test_dspark_and_adaptive_verify_more_where_confidence_is_high():
