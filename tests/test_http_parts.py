@@ -131,6 +131,43 @@ def test_metrics_route_per_app_registry_and_openmetrics():
     assert fams["adapt_drafts"].type == "counter" and fams["adapt_step_time_ms"].type == "histogram"
 
 
+def test_serve_backend_loads_keep_the_last_view_through_a_store_restart():
+    """/health's view of the workers (`ServeBackend.loads`): the last view while the store is
+    unreachable, and for the heartbeats' TTL when it answers empty after holding workers (a
+    Controller or Redis restarted empty), then empty."""
+    import asyncio
+    import time
+
+    from adapt.serving.deployment import ServeBackend
+    from adapt.serving.store import InProcessStore
+
+    class Restarting(InProcessStore):
+        down = False
+
+        def loads(self):
+            if self.down:
+                raise ConnectionError("controller store unreachable")
+            return super().loads()
+
+    store = Restarting()
+    backend = ServeBackend(decoder=None, store=store, empty_grace_s=0.3)
+    loads = lambda: asyncio.run(backend.loads())  # noqa: E731
+    assert loads() == {}
+    store.put_load("w0", {"requests": 1}, ttl_s=10)
+    assert set(loads()) == {"w0"}
+    store.down = True
+    assert set(loads()) == {"w0"}  # unreachable: the last view
+    store.down = False
+    store.remove_worker("w0")  # back, but empty: the last view for the grace
+    assert set(loads()) == {"w0"}
+    store.put_load("w1", {"requests": 0}, ttl_s=10)  # a heartbeat in the new store
+    assert set(loads()) == {"w1"}
+    store.remove_worker("w1")
+    assert set(loads()) == {"w1"}
+    time.sleep(0.35)
+    assert loads() == {}  # still empty after the grace: no workers
+
+
 def test_the_guard_checks_keys_under_a_route_prefix_too():
     """Mounted under a prefix (Serve's route_prefix sets root_path and keeps it in path), /v1
     routes still need the key."""

@@ -125,7 +125,9 @@ def run(args) -> int:
     auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
     print(f"adapt serving {model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
           f"{auth}, queue limit {args.max_queue})", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: Serve and Ray are shut down below
+    # SIGINT too: a shell that starts `adapt serve &` has it ignored (uvicorn, before, handled both)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop as on Ctrl-C: Serve and Ray are shut down below
+        signal.signal(sig, _interrupt)
     try:
         while True:  # serving happens in Serve's proxy and replicas
             time.sleep(3600)

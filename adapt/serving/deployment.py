@@ -121,12 +121,12 @@ class Decoder:
             pass
 
 
-def _controller_store(controller: Any):
+def _controller_store(controller: Any, timeout_s: float = 10.0):
     if controller is None:
         raise ValueError("redis_url: required when the replica is given no Controller handle")
     from adapt.serving.controller_actor import ControllerStoreClient
 
-    return ControllerStoreClient(controller)
+    return ControllerStoreClient(controller, timeout_s=timeout_s)
 
 
 def _node_id() -> str | None:
@@ -179,13 +179,18 @@ class ControllerDeployment:
 
 
 class ServeBackend:
-    """The HTTP app's backend over a ``Decoder`` deployment handle."""
+    """The HTTP app's backend over a ``Decoder`` deployment handle. `loads` (``/health``,
+    ``/metrics``) keeps its last view while the store is unreachable, and for `empty_grace_s`
+    (the heartbeats' TTL) from the first empty answer after a view with workers: a store that
+    restarted empty (the Controller's, or Redis) fills again with the workers' next heartbeats."""
 
-    def __init__(self, decoder: Any, store: Any, retry_after_s: int = RETRY_AFTER_S):
+    def __init__(self, decoder: Any, store: Any, retry_after_s: int = RETRY_AFTER_S, empty_grace_s: float = 3.0):
         self.decoder = decoder
         self.store = store
         self.retry_after_s = retry_after_s
+        self.empty_grace_s = empty_grace_s
         self._last: dict[str, dict[str, Any]] = {}
+        self._empty_since: float | None = None  # monotonic time of the first empty answer after workers
 
     async def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         from ray.serve.exceptions import BackPressureError
@@ -218,11 +223,19 @@ class ServeBackend:
 
     async def loads(self) -> dict[str, dict[str, Any]]:
         import asyncio
+        import time
 
         try:
-            self._last = await asyncio.get_running_loop().run_in_executor(None, self.store.loads)
-        except Exception:  # noqa: BLE001 - Redis down: last view
-            pass
+            fresh = await asyncio.get_running_loop().run_in_executor(None, self.store.loads)
+        except Exception:  # noqa: BLE001 - store down or restarting: last view
+            return dict(self._last)
+        if fresh:
+            self._last, self._empty_since = fresh, None
+        elif self._last:
+            now = time.monotonic()
+            self._empty_since = self._empty_since or now
+            if now - self._empty_since > self.empty_grace_s:
+                self._last = {}
         return dict(self._last)
 
 
@@ -251,7 +264,8 @@ class Ingress:
         from adapt.serving.store import open_store
         from adapt.targets import ServerDefaults
 
-        self.backend = ServeBackend(decoder, open_store(redis_url) if redis_url else _controller_store(controller))
+        # /health must not wait out a Controller restart: a short timeout, then the last view
+        self.backend = ServeBackend(decoder, open_store(redis_url) if redis_url else _controller_store(controller, 2.0))
         self.controller = controller
         self.model_name = model_name
         self.defaults = ServerDefaults(tpot_ms=default_tpot_ms, quality=default_quality)
