@@ -5,8 +5,9 @@ On CPU nothing syncs, so what is counted is every read of a tensor's value into 
 `adapt.bench.gpu_check_engine.SyncCounter`, the counter the GPU check uses beside
 `torch.cuda.set_sync_debug_mode`). On CUDA such a read syncs only when its tensor lives on the
 GPU; reads of the host-side `RowState` and of a decision maker's CPU answers never do. The
-engine's own reads are pinned exactly (docs/engine.md, "Host syncs"); a policy's are pinned to
-the numbers measured here, so that a change that adds a read fails a test.
+engine's own reads per decode step are pinned exactly, with every policy (docs/engine.md, "Host
+syncs"), so that a change that adds one fails a test; the policies decide on the host (their
+reads are of host tensors after `DraftFeatures.to_host`, whose one packed copy is checked here).
 """
 
 from __future__ import annotations
