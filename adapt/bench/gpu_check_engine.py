@@ -438,8 +438,9 @@ def _targets(params, knobs):
 
 def section_syncs(ctx) -> dict:
     """Host syncs per decode step (prefill steps excluded) for a few batches: see `SyncCounter`
-    for what is counted on CUDA and on CPU. docs/engine.md promises one host read per step without
-    drafts and two with drafts (the draft lengths, then the packed results)."""
+    for what is counted on CUDA and on CPU. docs/engine.md ("Host syncs") expects, on CUDA, one
+    device sync per step with static knobs (the plan is computed on the host) and two with a
+    policy that reads draft features (one packed copy of the features, then the results)."""
     from adapt.controller import build_policy
     from workers.decisions import StaticDecisions
     from workers.engine import Engine, EngineConfig
