@@ -92,6 +92,21 @@ def test_plot_and_table_are_written(report):
     assert set(rep["ratios"]) >= {"adapt/adapt-ar", "adapt/hf", "adapt-ar/hf"}
 
 
+def test_adapt_rows_report_the_mean_request_latency(report):
+    """Our engine's rows time each request to its last token; the mean lies within the row's
+    time (a group's requests end at or before the group), and other rows report none."""
+    out, rep = report
+    for e in rep["results"]:
+        if "skipped" in e:
+            continue
+        if e["row"].startswith("adapt"):
+            groups = 2 // e["batch"]  # 2 prompts in groups of `batch`
+            assert 0 < e["request_s_mean"] <= max(e["seconds"]) / groups + 2e-4, e  # both rounded to 0.1 ms
+        else:
+            assert "request_s_mean" not in e
+    assert "mean request s" in (out / "speed.md").read_text()
+
+
 def test_bad_rows_are_named():
     with pytest.raises(SystemExit, match="--rows"):
         main(["bench", "speed", "--rows", "adapt,sglang"])

@@ -246,6 +246,9 @@ def summarize(samples: list, reference: list[list[int]] | None, max_tokens: int)
         "tokens": last.tokens, "seconds": [round(s.seconds, 4) for s in samples], "passes": last.passes,
     }
     out.update({k: v for k, v in last.extra.items() if not k.startswith("phases")})
+    latencies = [s.extra["request_s_mean"] for s in samples if s.extra.get("request_s_mean") is not None]
+    if latencies:  # our engine's rows: the mean request's latency, median over rounds
+        out["request_s_mean"] = round(statistics.median(latencies), 4)
     if reference is not None:
         # greedy agreement with transformers generate: same model, different kernels (bf16 may differ)
         prefixes = [first_divergence(a, b) for a, b in zip(last.outputs, reference)]
@@ -460,6 +463,13 @@ def markdown(report: dict) -> str:
             f"| {e['label']} | {e['batch']} | {tps:,.0f} | {e['ms_per_token']:.2f} | {e['tau'] if e['tau'] is not None else '–'}"
             f" | {f'{tps / v:.2f}x' if v else '–'} | {f'{tps / vn:.2f}x' if vn else '–'}"
             f" | {e.get('agree_with_hf', '–') if e['row'] != 'hf' else 'ref'} |")
+    lat = [e for e in report["results"] if e.get("request_s_mean") is not None]
+    if lat:
+        lines += ["", "Mean request latency, our engine's rows (a group's start to the request's last token; "
+                  "in a batch, requests that speculate well finish before the group does):", "",
+                  "| row | batch | mean request s |", "|---|---|---|"]
+        for e in lat:
+            lines.append(f"| {e['label']} | {e['batch']} | {e['request_s_mean']:.3f} |")
     prof = [e for e in report["results"] if "phases_ms" in e]
     if prof:
         phases = report["phases"]

@@ -219,6 +219,7 @@ class AdaptRunner:
             knobs = None if self.draft_len is None else DecodeKnobs(steps=1, draft_len=self.draft_len)
         outputs: list[list[int]] = []
         passes, seconds = 0, 0.0
+        latencies: list[float] = []  # per request: its group's start to its last token
         probe = PhaseProbe(eng) if profile else None
         for group in groups_of(prompts, batch):
             ids = []
@@ -235,6 +236,8 @@ class AdaptRunner:
                 for out in eng.step():
                     got[out.request_id].extend(out.new_token_ids)
                     stats[out.request_id] = out.stats
+                    if out.finished:
+                        latencies.append(time.perf_counter() - t)
             seconds += time.perf_counter() - t
             if probe is not None:
                 probe.__exit__(None, None, None)
@@ -245,6 +248,7 @@ class AdaptRunner:
             extra = probe.report()
         run = Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs, extra)
         run.extra["tau_engine"] = self._engine_tau(outputs, stats)
+        run.extra["request_s_mean"] = sum(latencies) / len(latencies) if latencies else None
         return run
 
     @staticmethod
