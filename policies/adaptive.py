@@ -71,6 +71,8 @@ class AdaptivePolicy(Policy):
         # steps that kept the plan (EMAs): the cost model's table misses what grows with context
         # length and rows (attention over long prompts, acceptance), so the choice corrects it
         self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
+        # EMA of measured − predicted step ms, for steps that verified drafts and steps that did not
+        self.step_residual: dict[str, float | None] = {"draft": None, "plain": None}
         self._suffix_pred = None  # (predicted ms, widened?) of this step's choice
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -175,6 +177,8 @@ class AdaptivePolicy(Policy):
             wide[c_] = c_ > k_plan
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
+        if not bool(diffusing.any()):  # the plan drafts nothing: widening takes the drafting path
+            ms[1:] = ms[1:] + self.draft_overhead_ms
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
         best = int(torch.argmax(value))
@@ -188,8 +192,27 @@ class AdaptivePolicy(Policy):
         self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
 
+    @property
+    def draft_overhead_ms(self) -> float:
+        """The fixed extra ms of a step that verifies drafts over one that does not, beyond what
+        the cost model predicts for both (decisions, features, rule resolution, the ragged
+        verification): learned online from the residuals of the two kinds of steps; 0 until both
+        were seen."""
+        d, p = self.step_residual["draft"], self.step_residual["plain"]
+        return 0.0 if d is None or p is None else max(0.0, d - p)
+
     def observe(self, rows, outcome) -> None:
+        from policies.base import outcome_ms
+
+        predicted = None  # this step's cost as predicted before `super().observe` nudges the tables
+        if self.online_cost and self.last_steps is not None:
+            predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps))
         super().observe(rows, outcome)
+        measured = outcome_ms(outcome)
+        if predicted is not None and measured > 0:
+            key = "draft" if bool((torch.as_tensor(outcome.verified) > 0).any()) else "plain"
+            r, prev = measured - predicted, self.step_residual[key]
+            self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
             from policies.base import outcome_ms
 
@@ -252,6 +275,11 @@ class AdaptivePolicy(Policy):
             g = torch.cat([torch.zeros(1), d_gain[order].cpu().cumsum(0)])              # [B+1]
             t = torch.cat([torch.zeros(1), d_tok.cumsum(0)])
             ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * pass_ms
+            # a step in which some row drafts takes the drafting path: its fixed extra cost
+            if bool((level >= 0).any()):
+                ms = ms + self.draft_overhead_ms
+            else:
+                ms[1:] = ms[1:] + self.draft_overhead_ms
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
             if i == 0 and self.allow_no_draft:

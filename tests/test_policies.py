@@ -330,3 +330,26 @@ def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
     engine.add_request("later", [1, 2, 3], None, None)  # the engine serves normally afterwards
     while engine.has_unfinished():
         engine.step()
+
+
+def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
+    """Steps that verify drafts took 50 ms more than the cost model said, steps without drafts
+    took what it said: the policy learns that difference (`draft_overhead_ms`) and stops drafting
+    rows it drafted before."""
+    import dataclasses
+
+    from policies.base import rows_per_pass
+
+    rows = dataclasses.replace(make_rows(4, 8), recent_accept=torch.full((4,), 0.97))
+    p = policies.get("adaptive")
+    assert p.choose_steps(rows).gt(0).all() and p.draft_overhead_ms == 0.0
+    for drafted in [False, True] * 10:
+        steps = torch.full((4,), 1 if drafted else 0)
+        p.last_steps = steps
+        n = 4 * (5 if drafted else 1)
+        predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
+        p.observe(rows, StepOutcome(torch.zeros(4, dtype=torch.long), torch.full((4,), 4 if drafted else 0),
+                                    torch.zeros(4), (predicted + (50.0 if drafted else 0.0)) / 1e3, n))
+    assert 40.0 < p.draft_overhead_ms <= 50.0 + 1e-6
+    p._plan = None  # re-plan now
+    assert p.choose_steps(rows).eq(0).all()
