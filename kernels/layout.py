@@ -22,16 +22,11 @@ class RaggedLayout:
     draft_row: torch.Tensor  # [N] int64 request of each draft
     draft_col: torch.Tensor  # [N] int64 position of each draft in its request
     num_drafts: int          # N (host)
-    max_k: int               # the longest row's draft count (host)
-
-    @property
-    def batch(self) -> int:
-        return self.cu.shape[0] - 1
 
     @classmethod
-    def from_counts(cls, num_draft: torch.Tensor, num_drafts: int, max_k: int) -> "RaggedLayout":
+    def from_counts(cls, num_draft: torch.Tensor, num_drafts: int) -> "RaggedLayout":
         """The layout of draft counts `num_draft` [B] (any integer dtype, on the batch's device);
-        `num_drafts` = their sum and `max_k` = their max, known on the host (no host sync)."""
+        `num_drafts` = their sum, known on the host (no host sync)."""
         dev = num_draft.device
         k = num_draft.to(torch.int64)
         B = k.shape[0]
@@ -43,10 +38,10 @@ class RaggedLayout:
         draft_idx = torch.where(col < k[row], cu[:-1][row] + col, -1)          # [R]
         draft_row = torch.repeat_interleave(ar, k, output_size=num_drafts)     # [N]
         draft_col = torch.arange(num_drafts, device=dev) - cu[:-1][draft_row]  # [N]
-        return cls(cu.to(torch.int32), row, col, draft_idx, draft_row, draft_col, num_drafts, max_k)
+        return cls(cu.to(torch.int32), row, col, draft_idx, draft_row, draft_col, num_drafts)
 
     @classmethod
-    def from_cu(cls, cu: torch.Tensor, num_drafts: int, max_k: int) -> "RaggedLayout":
+    def from_cu(cls, cu: torch.Tensor, num_drafts: int) -> "RaggedLayout":
         """The layout of cumulative draft counts `cu` [B + 1]."""
         cu = cu.to(torch.int64)
-        return cls.from_counts(cu[1:] - cu[:-1], num_drafts, max_k)
+        return cls.from_counts(cu[1:] - cu[:-1], num_drafts)

@@ -72,7 +72,7 @@ def draw_noise(
     rows = None
     if rules is not None and sum(counts) != sum(num_draft) + len(num_draft):
         if layout is None:
-            layout = RaggedLayout.from_counts(torch.tensor(num_draft, device=device), sum(num_draft), max(num_draft))
+            layout = RaggedLayout.from_counts(torch.tensor(num_draft, device=device), sum(num_draft))
         rows = noise_rows(layout, torch.tensor(counts, device=device))
     return Noise(uniforms, exp_noise, rows)
 

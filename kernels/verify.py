@@ -71,9 +71,11 @@ def verify(
                   uniforms, exp_noise, max_k, noise_rows)
     if check:
         _check_values(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
-                      max_k, exp_noise, noise_rows)
+                      max_k)
     if layout is None:
-        layout = RaggedLayout.from_cu(cu_num_draft, draft_tokens.shape[0], max_k)
+        layout = RaggedLayout.from_cu(cu_num_draft, draft_tokens.shape[0])
+    if check and noise_rows is not None:
+        _check_noise_rows(layout, rule, exp_noise, noise_rows)
     tok, draft_idx, rule_r, param_r, param2_r = _per_target_row(draft_tokens, layout, rule, param, param2)
     if backend == "auto":
         backend = "triton" if use_triton(target_probs.device) else "torch"
@@ -169,8 +171,7 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
              f"on {tensor.device if tensor is not None else None}, expected {device} (target_probs' device)")
 
 
-def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, max_k,
-                  exp_noise=None, noise_rows=None):
+def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, max_k):
     """All value checks in one host sync."""
     vocab = target_probs.shape[1]
     k = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
@@ -191,8 +192,6 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
         ((r == Rule.LAMBDA) & ~((param > 0) & (param <= 1))).any(),
         ((r == Rule.SGLANG) & ~((param > 0) & (param <= 1) & (param2 > 0) & (param2 <= 1))).any(),
         ((r == Rule.TYPICAL) & ~((param > 0) & (param2 > 0))).any(),
-        false if noise_rows is None else ((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any(),
-        false if noise_rows is None or not k.numel() else _shared_noise_read_by_accept(r, k, noise_rows),
     ]).tolist()
     messages = [
         ("cu_num_draft", "cu_num_draft[0] must be 0"),
@@ -206,25 +205,22 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
         ("param", "LAMBDA needs lambda in (0, 1]"),
         ("param", "SGLANG needs threshold_acc (param) and threshold_single (param2) in (0, 1]"),
         ("param", "TYPICAL needs eps (param) > 0 and delta (param2) > 0"),
-        ("noise_rows", f"noise row ids must lie in [0, {0 if exp_noise is None else exp_noise.shape[0]})"),
-        ("noise_rows", "rows whose rule's accept reads noise (MATCH) need a noise row per target row"),
     ]
     for bad, (field, msg) in zip(flags, messages):
         if bad:
             raise ValueError(f"{field}: {msg}")
 
 
-def _shared_noise_read_by_accept(rule, k, noise_rows):
-    """True if a row with drafts whose rule's accept reads noise has target rows sharing noise."""
-    reads = torch.zeros_like(rule, dtype=torch.bool)
-    for rid in ACCEPT_READS_NOISE:
-        reads |= rule == rid
-    B = k.shape[0]
-    row = torch.repeat_interleave(torch.arange(B, device=k.device), k + 1, output_size=noise_rows.shape[0])
-    distinct = torch.ones_like(noise_rows, dtype=torch.bool)
-    distinct[1:] = noise_rows[1:] != noise_rows[:-1]
-    first = torch.zeros_like(distinct)
-    first[(torch.cumsum(k + 1, 0) - (k + 1))] = True                      # a request's first target row
-    shared = (~distinct & ~first).to(torch.int64)
-    per_row = torch.zeros(B, dtype=torch.int64, device=k.device).index_add_(0, row, shared)
-    return (reads & (k > 0) & (per_row > 0)).any()
+def _check_noise_rows(layout: RaggedLayout, rule, exp_noise, noise_rows):
+    """Noise-row checks in one host sync (after `_check_values`: the layout's offsets are valid)."""
+    B = layout.cu.shape[0] - 1
+    reads = torch.isin(rule.to(torch.int64), torch.tensor(sorted(ACCEPT_READS_NOISE), device=rule.device))  # [B]
+    # a target row shares its noise with the one before it in the same request
+    shared = (noise_rows[1:] == noise_rows[:-1]) & (layout.row[1:] == layout.row[:-1])      # [R - 1]
+    per_request = torch.zeros(B, dtype=torch.int64, device=rule.device).index_add_(0, layout.row[1:], shared.long())
+    flags = torch.stack([((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any(),
+                         (reads & (per_request > 0)).any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"noise_rows: noise row ids must lie in [0, {exp_noise.shape[0]})")
+    if flags[1]:
+        raise ValueError("noise_rows: rows whose rule's accept reads noise (MATCH) need a noise row per target row")

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from kernels.rules import Rule
-from policies.base import Policy, make_verify_decision, no_draft_decision, rows_per_pass
+from policies.base import Policy, make_verify_decision, no_draft_decision, outcome_ms, rows_per_pass
 from policies.common import lenient_eps
 from policies.greedy import greedy_prefix
 from policies.static import rules_from
@@ -202,8 +202,6 @@ class AdaptivePolicy(Policy):
         return 0.0 if d is None or p is None else max(0.0, d - p)
 
     def observe(self, rows, outcome) -> None:
-        from policies.base import outcome_ms
-
         predicted = None  # this step's cost as predicted before `super().observe` nudges the tables
         if self.online_cost and self.last_steps is not None:
             predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps))
@@ -214,14 +212,11 @@ class AdaptivePolicy(Policy):
             r, prev = measured - predicted, self.step_residual[key]
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
-            from policies.base import outcome_ms
-
-            predicted, wide = self._suffix_pred
+            chosen_ms, wide = self._suffix_pred
             self._suffix_pred = None
-            measured = outcome_ms(outcome)
-            if predicted > 0 and measured > 0:
+            if chosen_ms > 0 and measured > 0:
                 key = "wide" if wide else "plan"
-                r = min(max(measured / predicted, 0.25), 4.0)
+                r = min(max(measured / chosen_ms, 0.25), 4.0)
                 self.suffix_cost_ratio[key] = 0.8 * self.suffix_cost_ratio[key] + 0.2 * r
 
     def _with_suffix(self, decision, rows, draft):

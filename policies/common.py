@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class RowInfo:
     """What a policy needs from one request's targets and knobs, read once per request."""

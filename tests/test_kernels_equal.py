@@ -50,7 +50,7 @@ def both(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=None):
 def _layout(x, cu, rule, prm, prm2):
     """Per-target-row inputs of the positions kernels (drafted token, draft index, rule, params)."""
     k = (cu[1:] - cu[:-1]).long()
-    return _per_target_row(x, RaggedLayout.from_counts(k, x.shape[0], int(k.max()) if k.numel() else 0), rule, prm, prm2)
+    return _per_target_row(x, RaggedLayout.from_counts(k, x.shape[0]), rule, prm, prm2)
 
 
 def loop_assemble(x, cu, accept, token, tvd, max_k):

@@ -395,17 +395,16 @@ class BlockDiffusionDrafter(Fusable):
         l2r = torch.as_tensor(left_to_right, dtype=torch.bool, device=dev).expand(B).contiguous()
         s_host = [steps] * B if isinstance(steps, int) else [int(s) for s in steps.tolist()]  # one host read
         passes = max(s_host, default=0)
-        if uniforms is None and bool((temp > 0).any()) and passes:
+        if passes == 0:  # no row drafts
+            return torch.zeros(B, K, dtype=torch.long, device=dev), torch.zeros(B, K, self.config.vocab_size, device=dev)
+        if uniforms is None and bool((temp > 0).any()):
             uniforms = torch.rand(B, passes, K, generator=generator).to(dev)
 
         def one_pass(tokens, masked):
             hidden = self.forward_block(self.embed_block(tokens, masked), positions, ctx_kv, ctx_mask)
             return self.logits(hidden[:, 1:]).float()                  # [B, K, V]
 
-        tokens, q = denoise(one_pass, anchor, s_host, K, temp, None, None, l2r, uniforms)
-        if q.shape[-1] == 0:  # no pass ran
-            q = torch.zeros(B, K, self.config.vocab_size, device=dev)
-        return tokens, q
+        return denoise(one_pass, anchor, s_host, K, temp, None, None, l2r, uniforms)
 
     # -- files --------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -43,7 +43,8 @@ def denoise(one_pass: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], anch
             top_p: torch.Tensor | None = None, left_to_right: torch.Tensor | None = None,
             uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Denoise one block per row; returns drafted tokens [B, K] int64 and q [B, K, V] float32, the
-    distribution each token was drawn from (rows with s = 0 commit nothing: tokens 0, q 0).
+    distribution each token was drawn from (rows with s = 0 commit nothing: tokens 0, q 0; at
+    least one row must have s >= 1).
 
     one_pass(tokens, masked) -> logits [B, K, V] float32 of the K block positions, given the block
     tokens / masked flags [B, K + 1] (the anchor first). anchor [B] int64; steps: s per row (host
@@ -53,7 +54,9 @@ def denoise(one_pass: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], anch
     by inverting the CDF of `probabilities(logits, T, top_k, top_p)` at its uniform.
     """
     B, K, dev = anchor.shape[0], block, anchor.device
-    s_max = max(steps) if steps else 0
+    s_max = max(steps, default=0)
+    if s_max < 1:
+        raise ValueError("steps: denoise needs a row with s >= 1")
     s_d = torch.tensor(steps, device=dev)
     tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
     tokens[:, 0] = anchor
@@ -82,8 +85,6 @@ def denoise(one_pass: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], anch
         tokens[:, 1:] = torch.where(commit, x, tokens[:, 1:])
         q_rec = torch.where(commit[..., None], q, q_rec)
         masked[:, 1:] = still & ~commit
-    if q_rec is None:  # no pass ran (every s = 0)
-        return tokens[:, 1:], torch.zeros(B, K, 0, device=dev)
     return tokens[:, 1:], q_rec
 
 

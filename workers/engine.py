@@ -331,7 +331,7 @@ class Engine:
         return StepBatch(
             requests=tuple(run), rows=rows, lengths=torch.tensor(lengths, device=dev), lengths_host=lengths,
             anchors=torch.tensor([r.output[-1] for r in run], device=dev), temperature=temp, top_k=top_k, top_p=top_p,
-            steps=steps.to(dev), steps_cpu=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
+            steps=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
             conditional=conditional, exact_rule=exact_rules(rows.temperature, conditional),
             lossless=torch.tensor([r.knobs.lossless for r in run]))
 
@@ -346,7 +346,7 @@ class Engine:
         dec = self.decisions.choose_verify(rows, feats)
         on_host = all(t.device.type == "cpu" for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         at = torch.device("cpu") if on_host else self.device
-        steps = batch.steps_cpu.to(at)
+        steps = batch.steps.to(at)
         longest = torch.where(steps > 0, K, 0)
         if rows.suffix_len is not None:
             longest = torch.where(steps == SUFFIX, rows.suffix_len.to(at), longest)
@@ -361,7 +361,7 @@ class Engine:
         kmax = max(k_host)
         layout = None
         if kmax > 0 and any(r != int(Rule.GREEDY) for r in rule_host):
-            layout = RaggedLayout.from_counts(k, sum(k_host), kmax)
+            layout = RaggedLayout.from_counts(k, sum(k_host))
         return StepPlan(k, rule, param, param2, k_host, rule_host, p1_host, p2_host, layout)
 
     def _decode(self) -> list[RequestOutput]:
@@ -383,7 +383,7 @@ class Engine:
         t_draft = time.perf_counter()
 
         # (3) draft length and rule per row; lossless rows get exact rules only
-        feats = DraftFeatures(batch.steps_cpu, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
+        feats = DraftFeatures(batch.steps, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
                               batch.conditional)
         batch = batch.planned(self._plan(batch, feats))
 

@@ -91,14 +91,14 @@ class StepPlan:
         return all(r == int(Rule.GREEDY) for r in self.rule_host)
 
     @classmethod
-    def no_drafts(cls, requests: list[RequestState], device: torch.device) -> "StepPlan":
-        """The plan of a step in which no row drafts: k = 0, each row's exact rule (GREEDY at
-        T = 0, REJECTION otherwise) with parameters 0."""
+    def no_drafts(cls, requests: list[RequestState]) -> "StepPlan":
+        """The plan of a step in which no row drafts (host tensors): k = 0, each row's exact rule
+        (GREEDY at T = 0, REJECTION otherwise) with parameters 0."""
         B = len(requests)
         rules = [int(Rule.REJECTION if r.params.temperature > 0 else Rule.GREEDY) for r in requests]
-        zeros = torch.zeros(B, device=device)
-        return cls(torch.zeros(B, dtype=torch.int64, device=device), torch.tensor(rules, dtype=torch.int32, device=device),
-                   zeros, zeros, [0] * B, rules, [0.0] * B, [0.0] * B)
+        zeros = torch.zeros(B)
+        return cls(torch.zeros(B, dtype=torch.int64), torch.tensor(rules, dtype=torch.int32), zeros, zeros,
+                   [0] * B, rules, [0.0] * B, [0.0] * B)
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,7 @@ class StepBatch:
     temperature: torch.Tensor           # [B] float32
     top_k: torch.Tensor | None          # [B] int64, None when no sampled row restricts to top-k
     top_p: torch.Tensor | None          # [B] float32, None when no sampled row uses top-p
-    steps: torch.Tensor                 # [B] int64 s: > 0 diffusion passes, 0 no draft, SUFFIX
-    steps_cpu: torch.Tensor             # [B] int64 the same on the host
+    steps: torch.Tensor                 # [B] int64 (host) s: > 0 diffusion passes, 0 no draft, SUFFIX
     steps_host: list[int]
     left_to_right: torch.Tensor         # [B] bool commit order of the diffusion drafter
     conditional: torch.Tensor           # [B] bool (host): q are the proposal's true conditionals
@@ -127,11 +126,6 @@ class StepBatch:
     @property
     def size(self) -> int:
         return len(self.requests)
-
-    @property
-    def sampled(self) -> bool:
-        """Whether some row samples (T > 0: it has a generator)."""
-        return any(r.generator is not None for r in self.requests)
 
     @property
     def common_length(self) -> int | None:
@@ -150,14 +144,13 @@ class StepBatch:
     def without_drafts(cls, requests: list[RequestState], rows: RowState) -> "StepBatch":
         """The host record of a step in which no row drafted (autoregressive decoding), as the
         commit and the traces read it: s = 0 and `StepPlan.no_drafts` (CPU tensors)."""
-        B, cpu = len(requests), torch.device("cpu")
+        B = len(requests)
         lengths = [r.length for r in requests]
         no = torch.zeros(B, dtype=torch.bool)
-        plan = StepPlan.no_drafts(requests, cpu)
+        plan = StepPlan.no_drafts(requests)
         return cls(requests=tuple(requests), rows=rows, lengths=torch.tensor(lengths), lengths_host=lengths,
                    anchors=torch.tensor([r.output[-1] for r in requests]), temperature=rows.temperature, top_k=None,
-                   top_p=None, steps=torch.zeros(B, dtype=torch.int64), steps_cpu=torch.zeros(B, dtype=torch.int64),
-                   steps_host=[0] * B, left_to_right=no,
+                   top_p=None, steps=torch.zeros(B, dtype=torch.int64), steps_host=[0] * B, left_to_right=no,
                    conditional=~no, exact_rule=plan.rule, lossless=~no, plan=plan)
 
 
