@@ -78,6 +78,7 @@ class AdaptiveSettings(_Settings):
     use_suffix: bool = Field(default=None)
     suffix_margin: float = Field(default=None)
     suffix_accept: SuffixAcceptTable = Field(default=None)
+    hold_max: int = Field(default=None)
 
 
 class ExploreSettings(_Settings):

@@ -39,9 +39,20 @@ maximises the batch's weighted tokens per ms under the cost model (slots within 
 padding are free; ``k_c = 0`` keeps the plan). On a GPU, where slots are nearly free, long caps
 win; on a CPU, only batches with long, confident matches pay, and at larger batches every extra
 slot costs a full row each, so the cap shrinks to 0.
+
+Decision cadence (``hold_max``): deciding costs host time every step (the plan, the suffix
+choice, and the engine's suffix proposals for every row), which on a small target is a tenth of
+a ~3 ms step. When a full decision keeps every row plain (no diffusion, no suffix draft), the
+policy *holds* that answer for the next ``h`` steps while the batch keeps the same requests:
+``h`` = 1, 2, 4, … up to ``hold_max`` over consecutive plain decisions, back to deciding every
+step as soon as one drafts. While holding it reads no suffix drafts (the engine skips proposing
+them) and answers without computing anything; a request joining the batch ends the hold. A held
+step still tells the policy its outcome (latency book-keeping, the online cost model).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -59,8 +70,13 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.05,
-                 **kwargs):
+                 hold_max: int = 8, **kwargs):
         super().__init__(**kwargs)
+        if not isinstance(hold_max, int) or hold_max < 0:
+            raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
+        self.hold_max = hold_max
+        self._hold_key, self._hold_left, self._plain_run = None, 0, 0  # see "Decision cadence" above
+        self.held_steps = 0
         self.use_suffix = bool(use_suffix)
         if suffix_margin < 0:
             raise ValueError(f"suffix_margin: must be >= 0, got {suffix_margin!r}")
@@ -114,6 +130,40 @@ class AdaptivePolicy(Policy):
         return hi <= lo * (1.0 + self.flat_share)
 
     # -- before drafting ---------------------------------------------------------------------------
+    @property
+    def holding(self) -> bool:
+        """True while the policy holds a plain decision (the next step decides nothing)."""
+        return self._hold_left > 0
+
+    def choose_steps(self, rows) -> torch.Tensor:
+        if self._hold_left > 0 and tuple(rows.request_ids) == self._hold_key:
+            t0 = time.thread_time()
+            self._hold_left -= 1
+            self.held_steps += 1
+            steps = torch.zeros(len(rows.request_ids), dtype=torch.int64, device=rows.temperature.device)
+            self.last_steps, self._suffix_k, self._suffix_pred = steps, torch.zeros_like(steps), None
+            self.decision_s += time.thread_time() - t0
+            self.steps_decided += 1
+            return steps
+        # a request joined during a hold: the engine proposed no suffix drafts for this step
+        broke, self._hold_left = self._hold_left > 0, 0
+        steps = super().choose_steps(rows)
+        plain = not bool((steps != 0).any())
+        saw_all = getattr(rows, "suffix_len", None) is not None or not (self.use_suffix and broke)
+        if plain and self.hold_max > 0 and saw_all:
+            # a plain decision made with every source in view: hold it for 1, 2, 4, ... steps
+            self._plain_run += 1
+            self._hold_left = min(self.hold_max, 1 << min(self._plain_run - 1, 16))
+            self._hold_key = tuple(rows.request_ids)
+        elif not plain:
+            self._plain_run = 0
+        return steps
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["held_share"] = self.held_steps / max(self.steps_decided, 1)
+        return out
+
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
         K = int(getattr(rows, "block_size", 0) or self.block_size)
@@ -140,8 +190,9 @@ class AdaptivePolicy(Policy):
 
     @property
     def reads_suffix(self) -> bool:
-        """The engine computes suffix drafts for this policy (workers/decisions.py)."""
-        return self.use_suffix
+        """The engine computes suffix drafts for this policy's next step (workers/decisions.py):
+        not while it holds a plain decision."""
+        return self.use_suffix and self._hold_left == 0
 
     def _take_suffix(self, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
         """Rows whose suffix draft beats their planned choice take it (see the module docstring).
@@ -167,14 +218,18 @@ class AdaptivePolicy(Policy):
         w = self.weights(ctx).cpu()                                                    # [B]
         gain = w[:, None] * (win - extra.clamp(min=0)[:, None]).clamp(min=0)           # [B, Ks + 1]
         # per cap: diffusion rows whose suffix draft wins switch, and stop paying for drafter passes
+        # (all caps at once: one cost-model call for the Ks + 1 candidate batches)
         diffusing = steps > 0
         k_plan = int(toks.max()) - 1 if B else 0
-        raw, wide = torch.zeros(Ks + 1), torch.zeros(Ks + 1, dtype=torch.bool)
-        for c_ in range(Ks + 1):
-            stay = diffusing & ~(gain[:, c_] > 0)
-            k_stay = int(toks[stay].max()) - 1 if bool(stay.any()) else 0
-            raw[c_] = self.cost.step_ms_at(float(B * (max(c_, k_stay) + 1)), rows_per_pass(steps * stay))
-            wide[c_] = c_ > k_plan
+        caps = torch.arange(Ks + 1)                                                    # [Ks + 1]
+        stay = diffusing[:, None] & ~(gain > 0)                                        # [B, Ks + 1] keeps its diffusion draft
+        k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0)                     # [Ks + 1]
+        verified = B * (torch.maximum(caps, k_stay.long()) + 1)                        # [Ks + 1] positions
+        top = int(steps.max()) if bool(diffusing.any()) else 0
+        passes = torch.arange(1, top + 1)                                              # [top]
+        rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [Ks + 1, top] rows per pass
+        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [Ks + 1]
+        wide = caps > k_plan
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         if not bool(diffusing.any()):  # the plan drafts nothing: widening takes the drafting path

@@ -353,3 +353,39 @@ def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
     assert 40.0 < p.draft_overhead_ms <= 50.0 + 1e-6
     p._plan = None  # re-plan now
     assert p.choose_steps(rows).eq(0).all()
+
+
+def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
+    """Decision cadence: after a plain decision (nothing pays) the policy answers the next 1, 2,
+    4, ... (at most hold_max) steps without deciding and asks the engine for no suffix drafts;
+    a request joining the batch ends the hold; a decision that drafts resets the growth."""
+    import dataclasses
+
+    rows = make_rows(4)
+    p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4)
+    decided = []
+    inner = p._steps
+    p._steps = lambda r, ctx: decided.append(1) or inner(r, ctx)
+    held = []
+    for _ in range(16):
+        held.append(p.holding)
+        assert p.reads_suffix == (not p.holding)
+        assert p.choose_steps(rows).tolist() == [0, 0, 0, 0]
+    assert [i for i, h in enumerate(held) if h] == [1, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14]  # holds of 1, 2, 4, 4
+    assert len(decided) == 5 and p.stats()["held_share"] == pytest.approx(11 / 16)
+    assert p.holding
+    # a request joins: the policy decides (without the suffix drafts the engine skipped) and does not hold
+    joined = make_rows(4, ids=["r0", "r1", "r2", "new"])
+    p.choose_steps(joined)
+    assert len(decided) == 6 and not p.holding and p.reads_suffix
+    # hold_max = 0: decides every step
+    q = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=0)
+    for _ in range(3):
+        q.choose_steps(rows)
+        assert not q.holding
+    # a decision that drafts: no hold, and the next plain decision holds 1 step again
+    r = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), hold_max=4)
+    sure = dataclasses.replace(rows, recent_accept=torch.full((4,), 0.97))
+    assert (r.choose_steps(sure) > 0).all() and not r.holding
+    with pytest.raises(ValueError, match="hold_max"):
+        policies.get("adaptive", hold_max=-1)

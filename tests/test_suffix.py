@@ -120,6 +120,7 @@ def run_adaptive(target, drafter, prompts, n, cost):
     outs = run_to_completion(engine, [(f"r{i}", p, params, DecodeKnobs()) for i, p in enumerate(prompts)])
     outs["sources"] = [r["source"] for r in sink.records]
     outs["suffix_accepted"] = sum(r["accepted"] for r in sink.records if r["source"] == "suffix")
+    outs["policy"] = policy.stats()
     return outs
 
 
@@ -155,6 +156,8 @@ def test_adaptive_policy_declines_suffix_drafts_when_every_slot_costs_a_step(pai
         assert dear[f"r{i}"] == plain[f"r{i}"]
         assert dear[f"r{i}:stats"]["verified"] == 0  # a slot costs as much as a step: nothing pays
     assert set(dear["sources"]) == {"none"}
+    # nothing pays: the policy holds its plain decision for most steps (engine-side: no suffix proposals)
+    assert dear["policy"]["held_share"] > 0.5
 
 
 def test_without_global_memory_a_request_copies_only_its_own_text(target):

@@ -152,8 +152,22 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
         for key in ("layers", "seq_len"):
             if m[key] != metas[0][key]:
                 raise ValueError(f"harvest {d}: {key} = {m[key]} but {dirs[0]} has {metas[0][key]}")
-    parts = [load_file(str(d / name)) for d, m in zip(dirs, metas) for name in m["shards"]]
-    data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    # shards are copied one at a time into preallocated tensors, so the peak memory is the
+    # data plus one shard (a plain torch.cat of every shard would hold the data twice)
+    paths = [d / name for d, m in zip(dirs, metas) for name in m["shards"]]
+    data = None
+    at = 0
+    for path in paths:
+        part = load_file(str(path))
+        n = len(part["tokens"])
+        if data is None:
+            rows = sum(m["rows"] for m in metas)
+            data = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for k, v in part.items()}
+        for k, v in part.items():
+            data[k][at : at + n] = v
+        at += n
+        del part
+    data = {k: v[:at] for k, v in data.items()}
     meta = dict(metas[0])
     meta["rows"] = len(data["tokens"])
     meta["sources"] = [str(d) for d in dirs]
