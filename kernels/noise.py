@@ -46,7 +46,8 @@ def draw_noise(
 ) -> Noise:
     """Coins and race noise in `verify`'s layout (see the module docstring for noise rows).
 
-    Row r consumes, from its generator, k_r uniforms and then (its noise rows) x V exponentials;
+    Row r consumes, from its generator, k_r uniforms and then (its noise rows) x V uniforms (turned
+    into Exp(1) by `exponential_`);
     a GREEDY row (with `rules`) consumes nothing. One small loop over requests (not tokens); the
     draws themselves are tensor calls.
     """
@@ -66,7 +67,7 @@ def draw_noise(
     for gen, k, c, g in zip(generators, num_draft, counts, greedy):
         if not g:
             uniforms[start:start + k].uniform_(0.0, 1.0, generator=gen)
-            exp_noise[off:off + c].exponential_(1.0, generator=gen)
+            exponential_(exp_noise[off:off + c], gen)
         start += k
         off += c
     rows = None
@@ -75,6 +76,15 @@ def draw_noise(
             layout = RaggedLayout.from_counts(torch.tensor(num_draft, device=device), sum(num_draft))
         rows = noise_rows(layout, torch.tensor(counts, device=device))
     return Noise(uniforms, exp_noise, rows)
+
+
+def exponential_(out: torch.Tensor, generator) -> torch.Tensor:
+    """Fill `out` with Exp(1) noise in place, by inversion: ``-log(U)``, U uniform (clamped away
+    from 0, so every value is finite and positive). On CPU this is ~4x faster than
+    `Tensor.exponential_` (measured at V = 49,152: ~0.26 vs ~0.94 ms a row, which was ~7 % of a
+    SmolLM2 decode step per sampled row)."""
+    out.uniform_(0.0, 1.0, generator=generator)
+    return out.clamp_min_(torch.finfo(out.dtype).tiny).log_().neg_()
 
 
 def noise_rows(layout: RaggedLayout, counts: torch.Tensor) -> torch.Tensor:
