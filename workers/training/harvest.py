@@ -144,6 +144,7 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
 
     Several directories (e.g. harvests with different seeds) must share layers and seq_len; the
     returned `meta` is the first one's, with `rows` summed and `sources` listing every directory."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     dirs = [Path(directories)] if isinstance(directories, (str, Path)) else [Path(d) for d in directories]
@@ -160,8 +161,11 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
     for path in paths:
         part = load_file(str(path))
         n = len(part["tokens"])
-        if data is None:
-            rows = sum(m["rows"] for m in metas)
+        if data is None:  # every shard's row count, read from its header
+            rows = 0
+            for p in paths:
+                with safe_open(str(p), "pt") as f:
+                    rows += f.get_slice("tokens").get_shape()[0]
             data = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for k, v in part.items()}
         for k, v in part.items():
             data[k][at : at + n] = v
