@@ -150,9 +150,14 @@ class Policy:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
         if self.online_cost and hasattr(self.cost, "observe") and self.last_steps is not None:
-            self.cost.observe(float(outcome.num_tokens), rows_per_pass(self.last_steps), step_ms,
+            self.cost.observe(float(outcome.num_tokens), rows_per_pass(self.last_steps), self._table_ms(outcome, step_ms),
                               getattr(outcome, "verify_ms", None), getattr(outcome, "draft_ms", None))
         self.decision_s += time.thread_time() - t0
+
+    def _table_ms(self, outcome, step_ms: float) -> float:
+        """The part of a measured step the cost tables should learn (all of it here; a policy
+        that models a fixed cost separately takes it out)."""
+        return step_ms
 
     # -- to implement ----------------------------------------------------------------------------
     def _steps(self, rows, ctx: dict) -> torch.Tensor:

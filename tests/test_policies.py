@@ -389,3 +389,15 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     assert (r.choose_steps(sure) > 0).all() and not r.holding
     with pytest.raises(ValueError, match="hold_max"):
         policies.get("adaptive", hold_max=-1)
+
+
+def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
+    """A drafting step teaches the cost tables its time less the learned `draft_overhead_ms`
+    (charged separately), so the fixed cost is not counted twice; plain steps teach all of it."""
+    p = policies.get("adaptive")
+    p.step_residual = {"draft": 2.0, "plain": 0.5}  # learned: drafting steps cost 1.5 ms more
+    drafted = StepOutcome(torch.tensor([1, 0]), torch.tensor([3, 0]), torch.zeros(2), 0.010, 6)
+    plain = StepOutcome(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.zeros(2), 0.010, 2)
+    assert p._table_ms(drafted, 10.0) == pytest.approx(8.5)
+    assert p._table_ms(plain, 10.0) == pytest.approx(10.0)
+    assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0

@@ -1,0 +1,113 @@
+"""A/B of adaptive-policy settings, live through the engine, side by side in one run.
+
+Runs `ar`, `suffix` and the adaptive policy with each `--variant` of its settings (and the
+policy file's own settings as `adaptive`) on one pair and workload, at each load, every round in
+a rotated order; a row is its median-goodput round. Example (the stop-17 decision-cadence A/B):
+
+    python scripts/ab_settings.py --pair demo --workload mixed --loads 1,4,16 --rounds 3 \
+        --policy-file results/policies-demo-mixed-overhead/policy.json \
+        --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
+
+Goodput, SLA attainment, decision ms per step, held share (adaptive) and draft sources are
+written as JSON, one row per (load, policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans)."""
+    name, _, body = text.partition(":")
+    settings = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        settings[key.strip()] = json.loads(value)
+    return name, settings
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="demo", choices=("demo", "smollm2"))
+    p.add_argument("--workload", default="mixed")
+    p.add_argument("--policy-file", required=True)
+    p.add_argument("--loads", default="1,4,16")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from adapt.bench.live import run_live
+    from adapt.bench.policies import chat_prompt_limit, make_policy, workload_prompts
+    from adapt.controller import build_policy, profile_engine
+    from adapt.policy_file import load
+    from adapt.replay import Scenario, make_mix
+    from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
+    from workers.pairs import get_pair
+
+    torch.set_num_threads(args.threads)
+    loads = [int(x) for x in args.loads.split(",")]
+    if args.pair == "demo":
+        target, drafter = DEMO_TARGET, DEMO_DRAFTER
+    else:
+        pair = get_pair("smollm2")
+        pair.prepare()
+        target, drafter = pair.target, pair.drafter
+    limit = chat_prompt_limit(64)
+    engine = Engine(EngineConfig(target=target, drafter=drafter, device="auto", dtype="auto", max_batch=max(loads),
+                                 max_len=limit + args.max_tokens + 8))
+    pf = load(args.policy_file)
+    pf.cost = profile_engine(engine)
+    prompts = workload_prompts(engine, args.workload, 64, limit, 0)
+    K = engine.block
+    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    grid = tuple(pf.settings.get("steps_grid", (1,)))
+    variants = dict(parse_variant(v) for v in args.variant)
+
+    def make(name):
+        if name in variants:
+            return build_policy("adaptive", pf, steps_grid=grid, **variants[name])
+        return make_policy(name, pf, steps_grid=grid, width=K)
+
+    names = ["ar", "suffix", "adaptive", *variants]
+    rows = []
+    for c in loads:
+        mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens)
+        runs = {n: [] for n in names}
+        for rnd in range(args.rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for n in order:
+                policy = make(n)
+                run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
+                m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
+                m["held_share"] = policy.stats().get("held_share") if hasattr(policy, "stats") else None
+                runs[n].append(m)
+        for n in names:
+            ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
+            m = ordered[len(ordered) // 2]
+            rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n,
+                         "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),
+                         "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
+                         "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),
+                         "decision_ms_per_step": round(m.get("decision_ms_per_step", float("nan")), 3),
+                         "held_share": m["held_share"], "source_share": m.get("source_share")})
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
