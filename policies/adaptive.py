@@ -200,9 +200,11 @@ class AdaptivePolicy(Policy):
         for rows without one); toks [B]: the plan's verified positions per row. Sets
         ``_suffix_k`` [B].
 
-        The target verifies the batch padded to its longest row (``B · (k_max + 1)`` positions), so
-        the choice is one cap ``k_c`` for the batch: every row with a suffix draft fills up to
-        ``k_c`` slots, and ``k_c`` maximises the batch's weighted tokens per ms
+        The choice is one cap ``k_c`` for the batch: every row with a suffix draft fills up to
+        ``k_c`` slots. A padded engine verifies the batch padded to its longest row
+        (``B · (k_max + 1)`` positions); a packed one (``rows.packed_verify``) each row's own
+        positions, so there the cap costs only what the rows that take it verify. ``k_c``
+        maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_r w_r · max(0, win_r(k_c) − extra_r)) / step_ms(B · (max(k_c, k_plan) + 1))``
         (slots up to the plan's own padding are free; a diffusion row that switches no longer pays
         its drafter passes)."""
@@ -223,8 +225,14 @@ class AdaptivePolicy(Policy):
         k_plan = int(toks.max()) - 1 if B else 0
         caps = torch.arange(Ks + 1)                                                    # [Ks + 1]
         stay = diffusing[:, None] & ~(gain > 0)                                        # [B, Ks + 1] keeps its diffusion draft
-        k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0)                     # [Ks + 1]
-        verified = B * (torch.maximum(caps, k_stay.long()) + 1)                        # [Ks + 1] positions
+        if getattr(rows, "packed_verify", False):  # each row costs its own positions
+            take = (gain > 0) & (n > 0)[:, None]                                       # [B, Ks + 1]
+            own = torch.where(take, 1 + torch.minimum(n[:, None], caps[None]),
+                              torch.where(stay, toks[:, None].long(), 1))              # [B, Ks + 1]
+            verified = own.sum(0)                                                      # [Ks + 1] positions
+        else:  # rows padded to the longest
+            k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0)                 # [Ks + 1]
+            verified = B * (torch.maximum(caps, k_stay.long()) + 1)                    # [Ks + 1] positions
         top = int(steps.max()) if bool(diffusing.any()) else 0
         passes = torch.arange(1, top + 1)                                              # [top]
         rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [Ks + 1, top] rows per pass

@@ -146,3 +146,22 @@ def test_lenient_rule_reports_bounded_tvd(pair):
         assert st["rules_used"] == "EPS_TVD"
         assert 0.0 < st["tvd_spent"] <= 0.1 * (st["accepted"] + st["target_passes"]) + 1e-6
     assert outs["exact:stats"]["tvd_spent"] == 0.0
+
+
+def test_packed_verification_changes_no_token(pair):
+    """A ragged batch (rows verifying 0, 2, 4 drafts, greedy and sampled, diffusion and suffix
+    drafts) gives the same tokens with packed verification forwards (each row's own positions)
+    as with the batch padded to its longest row."""
+    target, drafter = pair
+    reqs = [(f"r{i}", [1 + i % 5, 2, 3], SamplingParams(max_tokens=24, temperature=(0.0, 1.0, 0.7)[i % 3], seed=11 + i,
+                                                         ignore_eos=True),
+             DecodeKnobs(steps=1 + i % 2, draft_len=(0, 2, 4)[i % 3], source="suffix" if i == 5 else "diffusion"))
+            for i in range(6)]
+    outs = {}
+    for pack in ("on", "off"):
+        engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=64, pack=pack))
+        assert engine.pack == (pack == "on")
+        outs[pack] = run_to_completion(engine, reqs)
+    assert all(outs["on"][f"r{i}"] == outs["off"][f"r{i}"] for i in range(6))
+    with pytest.raises(Exception, match="pack"):
+        Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", pack="sometimes"))

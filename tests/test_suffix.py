@@ -194,3 +194,30 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
         policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
                                          slow * predicted / 1e3, B * (k + 1)))
     assert (policy.choose_steps(rows) == 0).all() and policy.suffix_cost_ratio["wide"] > 1.3
+
+
+def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_packed():
+    """At 8 rows with one long confident suffix draft and a per-position cost: padded to the
+    longest row the draft would cost 8 rows' worth of slots and is declined; with packed
+    verification (`RowState.packed_verify`) it costs its own slots and is taken."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    B = 8
+    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False,
+                    suffix_len=torch.tensor([8] + [0] * (B - 1)), suffix_score=torch.tensor([7.0] + [0.0] * (B - 1)),
+                    suffix_match=torch.tensor([32] + [0] * (B - 1)))
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=1.0)
+    padded = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0).choose_steps(rows)
+    assert (padded == 0).all()
+    packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
+    steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
+    assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed._suffix_k[0]) >= 4

@@ -60,7 +60,9 @@ class RowState:
     block_size: the widest draft the engine verifies (the drafter's K; the suffix drafter's cap
     without a drafter; 0 = no drafting at all).
     suffix_len / suffix_score / suffix_match: the row's suffix draft this step (tokens, expected
-    accepted tokens, match length; workers/suffix.py), None when not computed."""
+    accepted tokens, match length; workers/suffix.py), None when not computed.
+    packed_verify: the engine's verification forward costs each row's own positions (anchor +
+    drafts: `EngineConfig.pack`) rather than every row padded to the longest draft."""
 
     request_ids: list[str]
     knobs: list[DecodeKnobs]
@@ -77,6 +79,7 @@ class RowState:
     suffix_len: torch.Tensor | None = None    # [B] int64
     suffix_score: torch.Tensor | None = None  # [B] float32
     suffix_match: torch.Tensor | None = None  # [B] int64
+    packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
 
 
 @dataclass(frozen=True)

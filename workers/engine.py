@@ -72,7 +72,11 @@ class EngineConfig:
     draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
     requests' drafts (0 = only a request's own text: no request's speed then depends on what
-    another request generated)."""
+    another request generated); pack: "auto" | "on" | "off" or a bool: verification forwards run
+    their projections, MLPs and LM head only on the positions rows really verify (each row's
+    anchor and k_r drafts) instead of the batch padded to its longest row (`TargetModel.forward`'s
+    `packed`); auto = on for eager CPU engines, where the forward is compute-bound and padding
+    costs as much as real positions (off when compiled: the compiled programs are padded)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -85,6 +89,7 @@ class EngineConfig:
     compile: bool | str = False
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
+    pack: bool | str = "auto"
 
 
 
@@ -100,6 +105,10 @@ class Engine:
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.compiled = resolve_compile(config.compile, self.device)
+        if config.pack not in (True, False, "auto", "on", "off"):
+            raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
+        self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
+                                                     and not self.compiled)
         self.target = load_target(config.target, self.dtype, self.device, shape_aware=config.shape_aware_linear)
         tcfg = self.target.config
         self.vocab = tcfg.vocab_size
@@ -392,8 +401,10 @@ class Engine:
         Tq = kmax + 1
         inp = torch.cat([batch.anchors[:, None], drafts.tokens[:, :kmax]], 1)  # [B, Tq]
         width = max(batch.lengths_host) + Tq
-        logits, hidden = self.target_forward(inp, batch.lengths, self.tcache, 0, width,  # [B, Tq, V]
-                                             start_value=batch.common_length)
+        packed = self._packed(batch.plan, Tq)  # [B + N] or None
+        logits, hidden = self.target_forward(inp, batch.lengths, self.tcache, 0, width,  # [B, Tq, V] or [B + N, V]
+                                             start_value=batch.common_length,
+                                             **({} if packed is None else {"packed": packed}))
         if self.drafting is not None:
             self.drafting.stash(run, hidden, Tq)
         tracing = self.trace_sink is not None
@@ -402,11 +413,21 @@ class Engine:
             host = self.verifier.sample_next(logits[:, 0], run, batch.temperature, batch.top_k, batch.top_p, trace_feats)
             Kc = 0
         else:
-            out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q)
+            out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q, packed)
             host, Kc = self.verifier.commit(batch, out, trace_feats)  # (5) the step's one host read
         now = time.perf_counter()
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
         return self._conclude(batch, result, (t0, t_draft, now))
+
+    def _packed(self, plan: StepPlan, Tq: int) -> torch.Tensor | None:
+        """[B + N] flat positions (row-major into [B, Tq]) of each row's anchor and verified
+        drafts, when this engine packs verification forwards and the batch is ragged; else None."""
+        k_host = plan.draft_len_host
+        B, n = len(k_host), sum(k_host)
+        if not self.pack or Tq == 1 or n + B == B * Tq:
+            return None
+        lay = plan.layout or RaggedLayout.from_counts(plan.draft_len, n)
+        return lay.row * Tq + lay.col
 
     def _decode_plain(self, rows: RowState, t0: float) -> list[RequestOutput]:
         """The decode step when no row drafts (every s = 0; autoregressive decoding): one target
@@ -437,7 +458,8 @@ class Engine:
         drafts + 1 (workers/commit.py), emits its tokens and checks its stop conditions; trace
         records are written, the decision maker is told, finished slots are freed."""
         plan, K, B = batch.plan, self.width, batch.size
-        padded = B * (plan.max_k + 1)  # positions in the target forward: rows padded to the longest
+        # positions in the target forward: each row's own (packed) or rows padded to the longest
+        padded = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
         tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
         for i, req in enumerate(batch.requests):
@@ -488,7 +510,7 @@ class Engine:
             temperature=torch.tensor([float(r.params.temperature) for r in run]),
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
             remaining=torch.tensor([remaining(r, self.max_len) for r in run]), batch_size=len(run), block_size=self.width,
-            has_drafter=self.drafter is not None, **suffix)
+            has_drafter=self.drafter is not None, packed_verify=self.pack, **suffix)
 
     def _release(self, idx: list[int]) -> None:
         """Free the slots `idx` of the running list, moving the last slots into the holes."""

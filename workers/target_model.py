@@ -105,21 +105,22 @@ class Attention(Fusable):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask):
-        """x [B, T, H]; cos / signed sin [B or 1, T, 1, d] (`rope_cos_signed_sin`); cache_k/v
+    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack=None):
+        """x [B, T, H], or [N, H] with ``pack = (index [N], B, T)`` (`TargetModel.forward`'s
+        packed positions: the projections run on those N only); cos / signed sin [B or 1, T, 1, d] (`rope_cos_signed_sin`); cache_k/v
         [B, kvh, W, d] views of this layer's cache rows; slot: where the new tokens' K/V go, an
         int (every row's first new position in the views) or `(full_k, full_v, index)` (per-row
         positions: this layer's whole cache tensors and `write_kv`'s index into them);
         mask [B or 1, 1, T, W] additive (0 = attend, -inf = not) or None (attend to all W)."""
-        B, T, _ = x.shape
+        B, T = (x.shape[0], x.shape[1]) if pack is None else (pack[1], pack[2])
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.fused("qkv")
         if qkv is not None:
-            qkv = qkv(x).view(B, T, h + 2 * kvh, d)
-            qk, v = qkv[:, :, : h + kvh], qkv[:, :, h + kvh :]  # [B, T, h + kvh, d], [B, T, kvh, d]
+            qkv = qkv(x)
         else:
-            qk = torch.cat((self.q_proj(x).view(B, T, h, d), self.k_proj(x).view(B, T, kvh, d)), 2)
-            v = self.v_proj(x).view(B, T, kvh, d)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+        qkv = unpack(qkv, pack).view(B, T, h + 2 * kvh, d)
+        qk, v = qkv[:, :, : h + kvh], qkv[:, :, h + kvh :]  # [B, T, h + kvh, d], [B, T, kvh, d]
         if self.qk_norm:  # q_norm and k_norm in one norm: their weights stacked per head
             qk = self.q_norm.norm(qk, torch.cat((self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(kvh, d))))
         qk = rotate_signed(qk, cos, sin)  # q and k heads in one RoPE
@@ -132,7 +133,19 @@ class Attention(Fusable):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), cache_k, cache_v, attn_mask=mask, enable_gqa=h != kvh
             )  # [B, h, T, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * d).to(x.dtype))
+        out = out.transpose(1, 2).reshape(B, T, h * d).to(x.dtype)
+        return self.o_proj(out if pack is None else out.reshape(B * T, h * d)[pack[0]])
+
+
+def unpack(t: torch.Tensor, pack) -> torch.Tensor:
+    """Packed rows t [N, D] back onto the padded layout [B, T, D] of ``pack = (index [N], B, T)``
+    (zeros elsewhere); t itself when ``pack`` is None."""
+    if pack is None:
+        return t
+    index, B, T = pack
+    full = t.new_zeros(B * T, t.shape[-1])
+    full.index_copy_(0, index, t)
+    return full.view(B, T, t.shape[-1])
 
 
 # Decode and verification steps (a few new tokens per row) attend with plain matmuls: on CPU,
@@ -186,8 +199,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slot, mask)
+    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slot, mask, pack)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -246,7 +259,7 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache, row0: int, width: int,
                 capture: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
-                start_value: int | None = None):
+                start_value: int | None = None, packed: torch.Tensor | None = None):
         """Run new tokens through the model, appending their K/V to the cache.
 
         input_ids [B, T] int64: new tokens of cache rows `row0 .. row0 + B - 1`, row r's token t
@@ -261,11 +274,23 @@ class TargetModel(nn.Module):
         start_value: optional host-side promise that every entry of `start` equals it; the forward
             then writes K/V with plain copies, slices its RoPE table and shares one mask across
             rows (none at all for one new token at the end of the window). Same results.
-        Returns logits [B, T or J, V] in float32 and hidden [B, T, len(capture) * H] (or None).
+        packed [N] int64 or None: the flat positions (row-major into B·T) that matter, e.g. each
+            row's anchor and the drafts it verifies. The projections, MLPs and LM head then run
+            on those N positions only, and attention on the padded layout (zeros elsewhere).
+            Padded positions cost as much as real ones in a compute-bound forward, so on a CPU
+            this makes a row's draft cost only its own positions. Logits come back [N, V].
+        Returns logits [B, T or J, V] ([N, V] with `packed`) in float32 and hidden
+        [B, T, len(capture) * H] (or None; zeros at positions `packed` leaves out).
         """
         B, T = input_ids.shape
         device = input_ids.device
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        pack = None
+        if packed is not None:
+            if logits_index is not None:
+                raise ValueError("packed: not with logits_index")
+            pack = (packed, B, T)
+            x = x.reshape(B * T, -1)[packed]  # [N, H]
         index = None  # per-row starts: where the new K/V go in the whole cache tensors
         if start_value is not None:  # one start for all rows
             cos, sin = self._rope(start_value, T, x.dtype, device)  # [1, T, 1, d] each: cos, signed sin
@@ -282,12 +307,12 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             ck, cv = cache.view(i, row0, B, width)
             slot = start_value if index is None else (cache.k[i], cache.v[i], index)
-            x = layer(x, cos, sin, ck, cv, slot, mask)
+            x = layer(x, cos, sin, ck, cv, slot, mask, pack)
             if i in capture and i != last:
-                captured[i] = x
+                captured[i] = unpack(x, pack)
         x = self.model.norm(x)
         if last in capture:  # as in HF's output_hidden_states, the last entry is after the final norm
-            captured[last] = x
+            captured[last] = unpack(x, pack)
         hidden = torch.cat([captured[i] for i in capture], -1) if capture else None
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))

@@ -75,21 +75,30 @@ class Verifier:
         self.counters = counters
         self.device = device
 
-    def verify(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full) -> VerifyOutput:
-        """logits [B, Tq, V] of each row's anchor and drafts; drafts [B, K]; q_full [B, K, V] or None."""
+    def verify(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full,
+               packed: torch.Tensor | None = None) -> VerifyOutput:
+        """logits [B, Tq, V] of each row's anchor and drafts, or [B + N, V] of the `packed`
+        positions [B + N] (row-major into [B, Tq]: the ragged layout's order); drafts [B, K];
+        q_full [B, K, V] or None."""
         if batch.plan.all_greedy:
-            return self.greedy(logits, drafts, batch.plan.draft_len)
-        return self.ragged(batch, logits, drafts, q_full)
+            return self.greedy(logits, drafts, batch.plan.draft_len, packed, batch.plan.max_k + 1)
+        return self.ragged(batch, logits, drafts, q_full, packed)
 
-    def ragged(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full) -> VerifyOutput:
+    def ragged(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full,
+               packed: torch.Tensor | None = None) -> VerifyOutput:
         """`kernels.verify` on the ragged flat batch (contracts §2): target rows of each request's
         anchor and drafts, each request's probabilities, noise and coins from its own generator."""
         plan, dev = batch.plan, self.device
-        B, Tq, V = logits.shape
+        B, Tq, V = (len(plan.draft_len_host), plan.max_k + 1, logits.shape[-1]) if packed is not None else logits.shape
         lay, k_host = plan.layout, plan.draft_len_host
         kmax, n = Tq - 1, lay.num_drafts
         needs_q = any(rr in USES_DRAFT_PROBS for rr, kk in zip(plan.rule_host, k_host) if kk > 0)
-        if min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
+        if packed is not None:  # the forward gave the ragged target rows already
+            logits_flat = logits                                   # [n + B, V]
+            draft_flat = drafts[lay.draft_row, lay.draft_col]      # [n]
+            q_flat = q_full[lay.draft_row, lay.draft_col] if needs_q else None  # [n, V]
+            rep = lambda t: None if t is None else t[lay.row]
+        elif min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
             logits_flat = logits.reshape(B * Tq, V)
             draft_flat = drafts[:, :kmax].reshape(-1)  # [n]
             q_flat = q_full[:, :kmax].reshape(n, V) if needs_q else None  # [n, V]
@@ -107,15 +116,23 @@ class Verifier:
                       noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False)
 
     @staticmethod
-    def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> VerifyOutput:
+    def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,
+               packed: torch.Tensor | None = None, Tq: int | None = None) -> VerifyOutput:
         """`kernels.verify` for a batch whose rows all verify with GREEDY (T = 0), on the padded
         [B, Tq] layout (no ragged flattening, rule groups or noise): a row accepts its drafts
         while each equals the argmax of p at its position and emits the argmax at the first
-        mismatch (or the bonus position). logits [B, Tq, V]; drafts [B, K]; k [B] int64."""
-        B, Tq, V = logits.shape
+        mismatch (or the bonus position). logits [B, Tq, V], or [B + N, V] at the `packed`
+        positions [B + N] of [B, Tq] (then `Tq` is given); drafts [B, K]; k [B] int64."""
+        if packed is None:
+            B, Tq, V = logits.shape
+            p = torch.softmax(logits.reshape(B * Tq, V), -1)  # [B * Tq, V]: `probabilities` at T = 0, bit for bit
+            y = argmax(p).view(B, Tq)                                             # argmax p per position
+        else:
+            B = k.shape[0]
+            y = torch.full((B * Tq,), -1, dtype=torch.int64, device=logits.device)
+            y[packed] = argmax(torch.softmax(logits, -1)).to(torch.int64)         # [B + N] argmax p per position
+            y = y.view(B, Tq)                                                     # -1 where a row verifies nothing
         kmax = Tq - 1
-        p = torch.softmax(logits.reshape(B * Tq, V), -1)  # [B * Tq, V]: `probabilities` at T = 0, bit for bit
-        y = argmax(p).view(B, Tq)                                                 # argmax p per position
         j = torch.arange(Tq, device=logits.device)
         match = (drafts[:, :kmax] == y[:, :kmax]) & (j[None, :kmax] < k[:, None])  # [B, kmax]
         a = match.to(torch.int32).cumprod(1).sum(1)                                # [B] leading matches
