@@ -175,7 +175,7 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
                         recent_accept=torch.tensor([r.recent for r in active], dtype=torch.float32),
                         tvd_spent=torch.tensor([r.tvd for r in active], dtype=torch.float32),
                         remaining=torch.tensor([r.spec.max_tokens - r.generated for r in active]),
-                        batch_size=B, block_size=K)
+                        batch_size=B, block_size=K, packed_verify=True)  # steps are priced by Σ (k + 1)
         t0 = time.thread_time()
         steps = policy.choose_steps(rows).to(torch.int64).clamp(0, K)
         t1 = time.thread_time()
