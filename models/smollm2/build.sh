@@ -5,6 +5,8 @@
 #      keeping the hidden states of layers 7, 14, 22, 29 (workers/training/harvest.py; ~20 min)
 #   3. train the drafter on those features: 2 layers, block 16, draft vocabulary 8,192
 #      (workers/training/feature_drafter.py via adapt train-drafter --features)
+#   3b. (stop 17) harvest 2 x 2,048 more answers (seeds 1 and 2: other prompts) and continue
+#      training from step 3's drafter on them for 4,000 steps (--init; ~45 min)
 #   4. evaluate tau on held-out chat prompts through the engine (workers/training/chat_eval.py; the
 #      shipped eval.json adds s = 1 at T = 1: --steps 1 --temperatures 1, merged by hand)
 #   5. collect traces, fit and benchmark the policy (adapt bench policies), ship policy.json
@@ -21,8 +23,15 @@ TARGET="$($PY -m adapt.cli pull smollm2)"
 $PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 1536 --batch 64 --shard-rows 256 \
     --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed 0 --out runs/smollm2/harvest
 $PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2/harvest --draft-vocab 8192 \
-    --out models/smollm2/drafter --steps 1500 --batch 12 --anchors 8 --layers 2 --block-size 16 \
+    --out runs/smollm2/drafter-base --steps 1500 --batch 12 --anchors 8 --layers 2 --block-size 16 \
     --intermediate 1536 --lr 2e-3 --save-every 100 --threads 2 --seed 0 $RESUME_FLAG
+for SEED in 1 2; do
+  $PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 2048 --batch 64 --shard-rows 256 \
+      --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed $SEED --out runs/smollm2-seed$SEED/harvest
+done
+$PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2-seed1/harvest runs/smollm2-seed2/harvest \
+    --init runs/smollm2/drafter-base --out models/smollm2/drafter --steps 4000 --batch 12 --anchors 8 \
+    --lr 1e-3 --save-every 100 --threads 2 --seed 1 $RESUME_FLAG
 $PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/drafter --prompts 16 \
     --max-tokens 128 --steps 1 2 4 --temperatures 0 --threads 2 --out models/smollm2/drafter/eval.json
 $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out models/smollm2/heldout_prompts.jsonl
