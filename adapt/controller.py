@@ -79,6 +79,7 @@ class AdaptiveSettings(_Settings):
     suffix_margin: float = Field(default=None)
     suffix_accept: SuffixAcceptTable = Field(default=None)
     hold_max: int = Field(default=None)
+    hold_share: float = Field(default=None)
 
 
 class ExploreSettings(_Settings):

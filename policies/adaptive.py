@@ -40,12 +40,14 @@ padding are free; ``k_c = 0`` keeps the plan). On a GPU, where slots are nearly 
 win; on a CPU, only batches with long, confident matches pay, and at larger batches every extra
 slot costs a full row each, so the cap shrinks to 0.
 
-Decision cadence (``hold_max``): deciding costs host time every step (the plan, the suffix
-choice, and the engine's suffix proposals for every row), which on a small target is a tenth of
-a ~3 ms step. When a full decision keeps every row plain (no diffusion, no suffix draft), the
+Decision cadence (``hold_max``, ``hold_share``): deciding costs host time every step (the plan,
+the suffix choice, and the engine's suffix proposals for every row), which on a small target is
+a tenth of a ~3 ms step. Where a full decision costs at least ``hold_share`` of a plain step
+(EMAs of both, measured) and it keeps every row plain (no diffusion, no suffix draft), the
 policy *holds* that answer for the next ``h`` steps while the batch keeps the same requests:
 ``h`` = 1, 2, 4, … up to ``hold_max`` over consecutive plain decisions, back to deciding every
-step as soon as one drafts. While holding it reads no suffix drafts (the engine skips proposing
+step as soon as one drafts. (On a larger target deciding is ~2 % of a step and holding would
+only react late to copies.) While holding it reads no suffix drafts (the engine skips proposing
 them) and answers without computing anything; a request joining the batch ends the hold. A held
 step still tells the policy its outcome (latency book-keeping, the online cost model).
 """
@@ -70,11 +72,17 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.05,
-                 hold_max: int = 8, **kwargs):
+                 hold_max: int = 8, hold_share: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
-        self.hold_max = hold_max
+        if not 0.0 <= hold_share <= 1.0:
+            raise ValueError(f"hold_share: must be in [0, 1], got {hold_share!r}")
+        self.hold_max, self.hold_share = hold_max, float(hold_share)
+        # EMAs of a full decision's host time (ms) and of a plain step's time (ms): holding pays
+        # only where deciding is a noticeable share of a step
+        self.decide_ms: float | None = None
+        self.plain_ms: float | None = None
         self._hold_key, self._hold_left, self._plain_run = None, 0, 0  # see "Decision cadence" above
         self.held_steps = 0
         self.use_suffix = bool(use_suffix)
@@ -147,10 +155,14 @@ class AdaptivePolicy(Policy):
             return steps
         # a request joined during a hold: the engine proposed no suffix drafts for this step
         broke, self._hold_left = self._hold_left > 0, 0
+        before = self.decision_s
         steps = super().choose_steps(rows)
+        ms = 1e3 * (self.decision_s - before)
+        self.decide_ms = ms if self.decide_ms is None else 0.9 * self.decide_ms + 0.1 * ms
         plain = not bool((steps != 0).any())
         saw_all = getattr(rows, "suffix_len", None) is not None or not (self.use_suffix and broke)
-        if plain and self.hold_max > 0 and saw_all:
+        dear = self.hold_share == 0 or (self.plain_ms is not None and self.decide_ms >= self.hold_share * self.plain_ms)
+        if plain and self.hold_max > 0 and saw_all and dear:
             # a plain decision made with every source in view: hold it for 1, 2, 4, ... steps
             self._plain_run += 1
             self._hold_left = min(self.hold_max, 1 << min(self._plain_run - 1, 16))
@@ -279,6 +291,8 @@ class AdaptivePolicy(Policy):
             predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps))
         super().observe(rows, outcome)
         measured = outcome_ms(outcome)
+        if measured > 0 and not bool((torch.as_tensor(outcome.verified) > 0).any()):
+            self.plain_ms = measured if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * measured
         if predicted is not None and measured > 0:
             key = "draft" if bool((torch.as_tensor(outcome.verified) > 0).any()) else "plain"
             r, prev = measured - predicted, self.step_residual[key]

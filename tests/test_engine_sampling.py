@@ -163,5 +163,15 @@ def test_packed_verification_changes_no_token(pair):
         assert engine.pack == (pack == "on")
         outs[pack] = run_to_completion(engine, reqs)
     assert all(outs["on"][f"r{i}"] == outs["off"][f"r{i}"] for i in range(6))
+    # 8 rows, one drafting: the forward's attention runs each row's real queries only
+    few = [(f"f{i}", [1 + i % 5, 3], SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                                     ignore_eos=True), DecodeKnobs(draft_len=6 if i == 0 else 0))
+           for i in range(8)]
+    got = {}
+    for pack in ("on", "off"):
+        engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=8, max_len=64, pack=pack))
+        got[pack] = run_to_completion(engine, few)
+    assert all(got["on"][f"f{i}"] == got["off"][f"f{i}"] for i in range(8))
+    assert got["on"]["f0:stats"]["verified"] > 0
     with pytest.raises(Exception, match="pack"):
         Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", pack="sometimes"))

@@ -362,7 +362,7 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     import dataclasses
 
     rows = make_rows(4)
-    p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4)
+    p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0)
     decided = []
     inner = p._steps
     p._steps = lambda r, ctx: decided.append(1) or inner(r, ctx)
@@ -383,12 +383,22 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     for _ in range(3):
         q.choose_steps(rows)
         assert not q.holding
+    # deciding is cheap against a step (hold_share): no hold; dear: hold
+    cheap = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
+    cheap.plain_ms = 1e6
+    cheap.choose_steps(rows)
+    assert not cheap.holding
+    cheap.plain_ms = 1e-6
+    cheap.choose_steps(rows)
+    assert cheap.holding
     # a decision that drafts: no hold, and the next plain decision holds 1 step again
     r = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), hold_max=4)
     sure = dataclasses.replace(rows, recent_accept=torch.full((4,), 0.97))
     assert (r.choose_steps(sure) > 0).all() and not r.holding
     with pytest.raises(ValueError, match="hold_max"):
         policies.get("adaptive", hold_max=-1)
+    with pytest.raises(ValueError, match="hold_share"):
+        policies.get("adaptive", hold_share=2.0)
 
 
 def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():

@@ -94,3 +94,36 @@ def test_few_query_attention_matches_sdpa():
             got = few_query_attention(q, k, v, m)
             assert got.shape == want.shape == (B, h, T, 16)
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("common", [True, False], ids=["one-start", "per-row-starts"])
+def test_packed_positions_give_the_padded_results(tmp_path, family, common):
+    """`packed` (projections on each row's own positions) and `packed_counts` (attention of each
+    row's real queries only) give the padded forward's logits and hidden states there."""
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=2)
+    model = load_target(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    B, T = 5, 6
+    counts = [6, 1, 3, 1, 1]  # row-major: each row's anchor and k_r drafts
+    lens = [20] * B if common else [20, 17, 23, 9, 14]
+    row = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+    col = torch.cat([torch.arange(c) for c in counts])
+    packed = row * T + col
+    ids = torch.randint(2, 128, (B, T), generator=gen)
+    prompt = torch.randint(2, 128, (B, 24), generator=gen)
+    outs = []
+    for kwargs in ({}, {"packed": packed}, {"packed": packed, "packed_counts": counts}):
+        cache = model.new_cache(max_batch=B, max_len=64)
+        model(prompt, torch.zeros(B, dtype=torch.long), cache, 0, 24, start_value=0)
+        start = torch.tensor(lens)
+        logits, hidden = model(ids, start, cache, 0, max(lens) + T, capture=(0, 1),
+                               start_value=lens[0] if common else None, **kwargs)
+        outs.append((logits if not kwargs else None, logits, hidden))
+    padded_logits, padded_hidden = outs[0][1][row, col], outs[0][2][row, col]
+    for _, logits, hidden in outs[1:]:
+        assert logits.shape == (sum(counts), 128)
+        torch.testing.assert_close(logits, padded_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[row, col], padded_hidden, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="packed_counts"):
+        model(ids, torch.tensor(lens), model.new_cache(B, 64), 0, max(lens) + T, packed=packed, packed_counts=[1] * B)

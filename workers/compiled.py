@@ -139,10 +139,11 @@ class CompiledTarget:
         self.target, self.capture = target, capture
         self.compiled = compile_forward(target, capture=capture)
 
-    def __call__(self, input_ids, start, cache, row0, width, logits_index=None, start_value=None, packed=None):
+    def __call__(self, input_ids, start, cache, row0, width, logits_index=None, start_value=None, packed=None,
+                 packed_counts=None):
         if logits_index is not None or packed is not None:  # prefills and packed verification run eagerly
             return self.target(input_ids, start, cache, row0, width, self.capture, logits_index, start_value,
-                               packed=packed)
+                               packed=packed, packed_counts=packed_counts)
         return self.compiled(input_ids, start, cache, row0, width, start_value=start_value)
 
 
