@@ -25,10 +25,10 @@ $PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 15
 $PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2/harvest --draft-vocab 8192 \
     --out runs/smollm2/drafter-base --steps 1500 --batch 12 --anchors 8 --layers 2 --block-size 16 \
     --intermediate 1536 --lr 2e-3 --save-every 100 --threads 2 --seed 0 $RESUME_FLAG
-for SEED in 1 2; do
-  $PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 2048 --batch 64 --shard-rows 256 \
-      --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed $SEED --out runs/smollm2-seed$SEED/harvest
-done
+$PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 2048 --batch 64 --shard-rows 256 \
+    --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed 1 --out runs/smollm2-seed1/harvest
+$PY -m workers.training.harvest --target "$TARGET" --layers 7 14 22 29 --rows 2048 --batch 64 --shard-rows 256 \
+    --answer-len 160 --seq-len 400 --sample-frac 0.25 --threads 2 --seed 2 --out runs/smollm2-seed2/harvest
 $PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2-seed1/harvest runs/smollm2-seed2/harvest \
     --init runs/smollm2/drafter-base --out models/smollm2/drafter --steps 4000 --batch 12 --anchors 8 \
     --lr 1e-3 --save-every 100 --threads 2 --seed 1 $RESUME_FLAG
