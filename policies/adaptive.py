@@ -281,7 +281,7 @@ class AdaptivePolicy(Policy):
         which this policy charges separately: else the tables absorb the drafting path's fixed
         cost too (measured on the demo pair: a verify table steep from 1 to 2 tokens per row and
         the fixed cost counted twice)."""
-        if bool((torch.as_tensor(outcome.verified) > 0).any()):
+        if verified_drafts(outcome):
             return max(step_ms - self.draft_overhead_ms, 1e-3)
         return step_ms
 
@@ -291,10 +291,11 @@ class AdaptivePolicy(Policy):
             predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps))
         super().observe(rows, outcome)
         measured = outcome_ms(outcome)
-        if measured > 0 and not bool((torch.as_tensor(outcome.verified) > 0).any()):
+        drafted = verified_drafts(outcome)
+        if measured > 0 and not drafted:
             self.plain_ms = measured if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * measured
         if predicted is not None and measured > 0:
-            key = "draft" if bool((torch.as_tensor(outcome.verified) > 0).any()) else "plain"
+            key = "draft" if drafted else "plain"
             r, prev = measured - predicted, self.step_residual[key]
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
@@ -438,6 +439,11 @@ class AdaptivePolicy(Policy):
         eps = torch.where(k > 0, eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
         return make_verify_decision(k, rule, param, rows)
+
+
+def verified_drafts(outcome) -> bool:
+    """Whether some row verified drafts in the step of `outcome` (it took the drafting path)."""
+    return bool((torch.as_tensor(outcome.verified) > 0).any())
 
 
 def check_suffix_accept(table: dict | None) -> dict | None:

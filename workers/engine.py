@@ -12,9 +12,10 @@ Words used here (see also workers/decisions.py):
   drafter denoises `[anchor, MASK x K]` for rows with s > 0, all rows batched, s_max passes, and
   suffix rows take their suffix drafts; (3) draft length `k` and acceptance rule per row, the
   batch's `StepPlan` with its ragged layout; (4) one target forward over `[anchor, x_1..x_k]` per
-  row (padded to max k + 1) and verification (workers/verification.py); (5) the one host read,
-  then commit and traces (workers/commit.py): lengths += accepted + 1 (rollback is just not
-  advancing), the target hidden states of the new positions are stashed for the drafter context.
+  row (padded to max k + 1; on CPU packed to each row's own positions) and verification
+  (workers/verification.py); (5) the one host read, then commit and traces (workers/commit.py):
+  lengths += accepted + 1 (rollback is just not advancing), the target hidden states of the new
+  positions are stashed for the drafter context.
 
 This module keeps the engine's requests, slots and the order of a step; the parts named above
 own their own state (drafter context cache, acceptance counters).
@@ -474,7 +475,7 @@ class Engine:
         records are written, the decision maker is told, finished slots are freed."""
         plan, K, B = batch.plan, self.width, batch.size
         # positions in the target forward: each row's own (packed) or rows padded to the longest
-        padded = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
+        positions = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
         tracing = self.trace_sink is not None
         outputs, done, records = [], [], []
         for i, req in enumerate(batch.requests):
@@ -483,7 +484,7 @@ class Engine:
             advance(req, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i])
             if tracing:
                 records.append(trace_record(req, self.step_count, result.features[i], K, s_i, kk, rule_i,
-                                            plan.param_host[i], plan.param2_host[i], ai, tvd_i, times, B, padded))
+                                            plan.param_host[i], plan.param2_host[i], ai, tvd_i, times, B, positions))
             reason = emit(req, new, times[2], self.max_len)
             outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, request_stats(req)))
             if reason is not None:
@@ -491,7 +492,7 @@ class Engine:
         if tracing:
             self.trace_sink.write(records)
         self.decisions.observe(batch.rows, StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len_host),
-                                                       torch.tensor(result.tvd), times[2] - times[0], padded))
+                                                       torch.tensor(result.tvd), times[2] - times[0], positions))
         self.step_count += 1
         self._release(done)
         return outputs

@@ -17,9 +17,11 @@ weights), and on CPU every linear becomes shape-aware (small matmuls in fp32, la
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -105,14 +107,14 @@ class Attention(Fusable):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack=None):
-        """x [B, T, H], or [N, H] with ``pack = (index [N], B, T)`` (`TargetModel.forward`'s
-        packed positions: the projections run on those N only); cos / signed sin [B or 1, T, 1, d] (`rope_cos_signed_sin`); cache_k/v
+    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack: Packing | None = None):
+        """x [B, T, H], or [N, H] with `pack` (`TargetModel.forward`'s packed positions: the
+        projections run on those N only); cos / signed sin [B or 1, T, 1, d] (`rope_cos_signed_sin`); cache_k/v
         [B, kvh, W, d] views of this layer's cache rows; slot: where the new tokens' K/V go, an
         int (every row's first new position in the views) or `(full_k, full_v, index)` (per-row
         positions: this layer's whole cache tensors and `write_kv`'s index into them);
         mask [B or 1, 1, T, W] additive (0 = attend, -inf = not) or None (attend to all W)."""
-        B, T = (x.shape[0], x.shape[1]) if pack is None else (pack[1], pack[2])
+        B, T = (x.shape[0], x.shape[1]) if pack is None else (pack.batch, pack.width)
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.fused("qkv")
         if qkv is not None:
@@ -127,8 +129,8 @@ class Attention(Fusable):
         q, k = qk[:, :, :h], qk[:, :, h:]
         write_kv(cache_k, cache_v, slot, k, v)
         q = q.to(cache_k.dtype)  # a cache kept in float32 under a bf16 model: attention in float32
-        if pack is not None and pack[3] is not None:  # only the rows' real queries attend
-            out = ragged_query_attention(q, cache_k, cache_v, mask, pack[3], pack[4])  # [N, h * d]
+        if pack is not None and pack.anchors is not None:  # only the rows' real queries attend
+            out = ragged_query_attention(q, cache_k, cache_v, mask, pack)  # [N, h * d]
             return self.o_proj(out.to(x.dtype))
         if T <= FEW_QUERIES:
             out = few_query_attention(q, cache_k, cache_v, mask)  # [B, h, T, d]
@@ -137,22 +139,44 @@ class Attention(Fusable):
                 q.transpose(1, 2), cache_k, cache_v, attn_mask=mask, enable_gqa=h != kvh
             )  # [B, h, T, d]
         out = out.transpose(1, 2).reshape(B, T, h * d).to(x.dtype)
-        return self.o_proj(out if pack is None else out.reshape(B * T, h * d)[pack[0]])
+        return self.o_proj(out if pack is None else out.reshape(B * T, h * d)[pack.index])
 
 
-def unpack(t: torch.Tensor, pack) -> torch.Tensor:
-    """Packed rows t [N, D] back onto the padded layout [B, T, D] of ``pack = (index [N], B, T,
-    ...)`` (zeros elsewhere); t itself when ``pack`` is None."""
+class Packing(NamedTuple):
+    """A packed forward's positions (`TargetModel.forward`'s `packed`), made once per forward.
+    index [N]: flat positions, row-major into [batch, width]; with per-row counts also anchors
+    [batch] (each row's first packed position) and drafting: (row, first packed position, count)
+    of the rows with more than one query (host), which `ragged_query_attention` attends one by one."""
+
+    index: torch.Tensor
+    batch: int
+    width: int
+    anchors: torch.Tensor | None = None
+    drafting: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def of(cls, index: torch.Tensor, batch: int, width: int, counts: list[int] | None) -> "Packing":
+        if counts is None:
+            return cls(index, batch, width)
+        if len(counts) != batch or sum(counts) != index.shape[0]:
+            raise ValueError(f"packed_counts: expected {batch} counts summing to {index.shape[0]}")
+        starts = list(itertools.accumulate(counts, initial=0))[:-1]
+        drafting = tuple((r, s, c) for r, (s, c) in enumerate(zip(starts, counts)) if c > 1)
+        return cls(index, batch, width, torch.tensor(starts, device=index.device), drafting)
+
+
+def unpack(t: torch.Tensor, pack: Packing | None) -> torch.Tensor:
+    """Packed rows t [N, D] back onto the padded layout [B, T, D] of `pack` (zeros elsewhere);
+    t itself when ``pack`` is None."""
     if pack is None:
         return t
-    index, B, T = pack[:3]
-    full = t.new_zeros(B * T, t.shape[-1])
-    full.index_copy_(0, index, t)
-    return full.view(B, T, t.shape[-1])
+    full = t.new_zeros(pack.batch * pack.width, t.shape[-1])
+    full.index_copy_(0, pack.index, t)
+    return full.view(pack.batch, pack.width, t.shape[-1])
 
 
 def ragged_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                           counts: list[int], anchors: torch.Tensor) -> torch.Tensor:
+                           pack: Packing) -> torch.Tensor:
     """Attention of each row's real queries only, in packed order: every row's first query (its
     anchor) in one batched call, then the further queries of each row that has some (a small loop
     over drafting rows, not tokens). A padded call would attend with every row padded to the
@@ -160,19 +184,15 @@ def ragged_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     attention matmuls ~2x dearer for 3 rows that verify nothing.
 
     q [B, T, h, d] (padded layout); k, v [B, kvh, W, d]; mask [B or 1, 1, T, W] additive or None;
-    counts: host list of real queries per row (k_r + 1); anchors [B] int64: each row's first
-    packed position. Returns [N, h * d], N = sum(counts)."""
+    pack: its `anchors` and `drafting`. Returns [N, h * d] in packed order."""
     B, T, h, d = q.shape
     first = few_query_attention(q[:, :1], k, v, None if mask is None else mask[:, :, :1])     # [B, h, 1, d]
-    out = q.new_empty(sum(counts), h * d)
-    out.index_copy_(0, anchors, first.reshape(B, h * d))
-    start = 0
-    for r, c in enumerate(counts):
-        if c > 1:
-            m = None if mask is None else mask[r if mask.shape[0] > 1 else 0][None, :, 1:c]
-            rest = few_query_attention(q[r : r + 1, 1:c], k[r : r + 1], v[r : r + 1], m)      # [1, h, c - 1, d]
-            out[start + 1 : start + c] = rest[0].transpose(0, 1).reshape(c - 1, h * d)
-        start += c
+    out = q.new_empty(pack.index.shape[0], h * d)
+    out.index_copy_(0, pack.anchors, first.reshape(B, h * d))
+    for r, start, c in pack.drafting:
+        m = None if mask is None else mask[r if mask.shape[0] > 1 else 0][None, :, 1:c]
+        rest = few_query_attention(q[r : r + 1, 1:c], k[r : r + 1], v[r : r + 1], m)          # [1, h, c - 1, d]
+        out[start + 1 : start + c] = rest[0].transpose(0, 1).reshape(c - 1, h * d)
     return out
 
 
@@ -227,7 +247,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack=None):
+    def forward(self, x, cos, sin, cache_k, cache_v, slot, mask, pack: Packing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slot, mask, pack)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -321,15 +341,7 @@ class TargetModel(nn.Module):
         if packed is not None:
             if logits_index is not None:
                 raise ValueError("packed: not with logits_index")
-            anchors = None
-            if packed_counts is not None:
-                if len(packed_counts) != B or sum(packed_counts) != packed.shape[0]:
-                    raise ValueError(f"packed_counts: expected {B} counts summing to {packed.shape[0]}")
-                starts = [0]
-                for c in packed_counts[:-1]:
-                    starts.append(starts[-1] + c)
-                anchors = torch.tensor(starts, device=device)
-            pack = (packed, B, T, packed_counts, anchors)
+            pack = Packing.of(packed, B, T, packed_counts)
             x = x.reshape(B * T, -1)[packed]  # [N, H]
         index = None  # per-row starts: where the new K/V go in the whole cache tensors
         if start_value is not None:  # one start for all rows

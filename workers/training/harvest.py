@@ -156,22 +156,21 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
     # shards are copied one at a time into preallocated tensors, so the peak memory is the
     # data plus one shard (a plain torch.cat of every shard would hold the data twice)
     paths = [d / name for d, m in zip(dirs, metas) for name in m["shards"]]
-    data = None
+    rows = 0  # every shard's row count, read from its header
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            rows += f.get_slice("tokens").get_shape()[0]
+    data: dict[str, torch.Tensor] = {}
     at = 0
     for path in paths:
         part = load_file(str(path))
         n = len(part["tokens"])
-        if data is None:  # every shard's row count, read from its header
-            rows = 0
-            for p in paths:
-                with safe_open(str(p), "pt") as f:
-                    rows += f.get_slice("tokens").get_shape()[0]
-            data = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for k, v in part.items()}
         for k, v in part.items():
+            if k not in data:
+                data[k] = torch.empty((rows, *v.shape[1:]), dtype=v.dtype)
             data[k][at : at + n] = v
         at += n
         del part
-    data = {k: v[:at] for k, v in data.items()}
     meta = dict(metas[0])
     meta["rows"] = len(data["tokens"])
     meta["sources"] = [str(d) for d in dirs]
