@@ -95,8 +95,10 @@ class AdaptivePolicy(Policy):
         # steps that kept the plan (EMAs): the cost model's table misses what grows with context
         # length and rows (attention over long prompts, acceptance), so the choice corrects it
         self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
-        # EMA of measured − predicted step ms, for steps that verified drafts and steps that did not
-        self.step_residual: dict[str, float | None] = {"draft": None, "plain": None}
+        # EMAs of measured − predicted step ms, for steps that verified drafts and steps that did
+        # not, per batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
+        self.step_residual: dict[tuple[str, int], float] = {}
+        self._batch = 1  # rows of the latest step decided or observed
         self._suffix_pred = None  # (predicted ms, widened?) of this step's choice
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
@@ -253,7 +255,7 @@ class AdaptivePolicy(Policy):
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         if not bool(diffusing.any()):  # the plan drafts nothing: widening takes the drafting path
-            ms[1:] = ms[1:] + self.draft_overhead_ms
+            ms[1:] = ms[1:] + self.draft_overhead_at(B)
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
         best = int(torch.argmax(value))
@@ -267,22 +269,35 @@ class AdaptivePolicy(Policy):
         self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
 
+    def draft_overhead_at(self, batch: int) -> float:
+        """The fixed extra ms of a step of `batch` rows that verifies drafts over one that does
+        not, beyond what the cost model predicts for both (decisions, features, rule resolution,
+        attention over the drafted positions, the acceptance path): the difference of the two
+        kinds' residual EMAs in the batch's size bucket (`batch_bucket`), else in the nearest
+        bucket that saw both kinds; 0 until some bucket did. Per batch size, because it grows
+        with the batch: on SmolLM2 here (stop 18, `scripts/step_costs.py`) one row verifying 2
+        drafts added ~1 ms to a 1-row step and ~45–80 ms to an 8-row one, which the verify table,
+        indexed by positions only, does not see."""
+        res = self.step_residual
+        both = [b for (kind, b) in res if kind == "draft" and ("plain", b) in res]
+        if not both:
+            return 0.0
+        want = batch_bucket(batch).bit_length()
+        b = min(both, key=lambda x: (abs(x.bit_length() - want), x))
+        return max(0.0, res[("draft", b)] - res[("plain", b)])
+
     @property
     def draft_overhead_ms(self) -> float:
-        """The fixed extra ms of a step that verifies drafts over one that does not, beyond what
-        the cost model predicts for both (decisions, features, rule resolution, the ragged
-        verification): learned online from the residuals of the two kinds of steps; 0 until both
-        were seen."""
-        d, p = self.step_residual["draft"], self.step_residual["plain"]
-        return 0.0 if d is None or p is None else max(0.0, d - p)
+        """`draft_overhead_at` the latest step's batch size."""
+        return self.draft_overhead_at(self._batch)
 
     def _table_ms(self, outcome, step_ms: float) -> float:
-        """A step that verified drafts teaches the cost tables its time less `draft_overhead_ms`,
-        which this policy charges separately: else the tables absorb the drafting path's fixed
-        cost too (measured on the demo pair: a verify table steep from 1 to 2 tokens per row and
-        the fixed cost counted twice)."""
+        """A step that verified drafts teaches the cost tables its time less `draft_overhead_at`
+        its batch size, which this policy charges separately: else the tables absorb the
+        drafting path's fixed cost too (measured on the demo pair: a verify table steep from 1 to
+        2 tokens per row and the fixed cost counted twice)."""
         if verified_drafts(outcome):
-            return max(step_ms - self.draft_overhead_ms, 1e-3)
+            return max(step_ms - self.draft_overhead_at(len(outcome.accepted)), 1e-3)
         return step_ms
 
     def observe(self, rows, outcome) -> None:
@@ -294,9 +309,10 @@ class AdaptivePolicy(Policy):
         drafted = verified_drafts(outcome)
         if measured > 0 and not drafted:
             self.plain_ms = measured if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * measured
+        self._batch = len(outcome.accepted)
         if predicted is not None and measured > 0:
-            key = "draft" if drafted else "plain"
-            r, prev = measured - predicted, self.step_residual[key]
+            key = ("draft" if drafted else "plain", batch_bucket(self._batch))
+            r, prev = measured - predicted, self.step_residual.get(key)
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
             chosen_ms, wide = self._suffix_pred
@@ -348,6 +364,7 @@ class AdaptivePolicy(Policy):
             level = torch.zeros(B, dtype=torch.int64, device=dev)
             fixed_draft = prev_s * self.cost.draft_ms_at([B])
         pass_ms = self.cost.draft_ms(torch.arange(B + 1, dtype=torch.float64)[:, None])  # [B+1]: a pass of n rows
+        fixed_extra = self.draft_overhead_at(B)
         for i in range(first, S):
             s = self.steps_grid[i]
             eligible = level == i - 1
@@ -359,9 +376,9 @@ class AdaptivePolicy(Policy):
             ms = self.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * pass_ms
             # a step in which some row drafts takes the drafting path: its fixed extra cost
             if bool((level >= 0).any()):
-                ms = ms + self.draft_overhead_ms
+                ms = ms + fixed_extra
             else:
-                ms[1:] = ms[1:] + self.draft_overhead_ms
+                ms[1:] = ms[1:] + fixed_extra
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
             if i == 0 and self.allow_no_draft:
@@ -439,6 +456,11 @@ class AdaptivePolicy(Policy):
         eps = torch.where(k > 0, eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
         return make_verify_decision(k, rule, param, rows)
+
+
+def batch_bucket(batch: int) -> int:
+    """The power-of-two bucket of a batch size: 1, 2, 4 (3–4), 8 (5–8), 16 ..."""
+    return 1 << max(int(batch) - 1, 0).bit_length()
 
 
 def verified_drafts(outcome) -> bool:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -118,11 +119,12 @@ def harvested(tmp_path_factory):
     prompts = [[5, 9, 11, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6], [8, 3], [40, 41, 42], [9]]
     temps = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
     shard = generate_with_features(target, prompts, answer_len=40, seq_len=48, layers=(0, 1), temperature=temps,
-                                   stop_ids=(), gen=gen)
+                                   stop_ids=(), gen=gen, top_k=4)
     out = tmp / "harvest"
     out.mkdir()
     save_file({k: v.contiguous() for k, v in shard.items()}, str(out / "shard_000.safetensors"))
-    (out / "harvest.json").write_text('{"layers": [0, 1], "stop_ids": [], "shards": ["shard_000.safetensors"]}')
+    (out / "harvest.json").write_text('{"layers": [0, 1], "stop_ids": [], "top_k": 4, '
+                                      '"shards": ["shard_000.safetensors"]}')
     return target_dir, prompts, shard, out
 
 
@@ -140,6 +142,12 @@ def test_harvest_keeps_the_targets_tokens_and_hidden_states(harvested):
             out = hf(seq[None], output_hidden_states=True)
         if shard["temperature"][r] == 0:  # greedy rows: every answer token is the target's argmax
             assert torch.equal(out.logits[0, len(prompt) - 1 : -1].argmax(-1), seq[len(prompt):])
+        # soft labels: the target's top 4 next tokens (temperature 1) for every answer column
+        logp = torch.log_softmax(out.logits[0, len(prompt) - 1 : -1].float(), -1)     # [A, V]
+        best = logp.topk(4, -1)
+        assert torch.equal(shard["soft_ids"][r, answer:].long(), best.indices)
+        assert torch.allclose(shard["soft_logp"][r, answer:].float(), best.values, atol=0.02)
+        assert not shard["soft_ids"][r, :answer].any()
         want = torch.cat([out.hidden_states[1], out.hidden_states[2]], -1)[0]     # layers 0 and 1
         got = shard["features"][r, pad:].float()
         assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
@@ -169,6 +177,50 @@ def test_training_on_features_writes_a_working_reduced_drafter(harvested, tmp_pa
     args.steps, args.resume = 40, True
     train(args)
     assert '"step": 40' in (tmp_path / "drafter" / "train_log.jsonl").read_text().splitlines()[-1]
+
+
+def test_soft_cross_entropy_is_the_hard_loss_for_a_sure_target_and_skips_outside_tokens():
+    from workers.training.feature_drafter import soft_cross_entropy
+
+    t2d = torch.full((10,), -1, dtype=torch.long)
+    t2d[torch.tensor([2, 5, 7])] = torch.arange(3)                      # draft vocabulary {2, 5, 7}
+    logq = torch.log_softmax(torch.tensor([[0.3, -1.0, 2.0], [1.0, 1.0, 0.0]]), -1)   # [2, 3]
+    # row 0: the target is sure of token 7 (draft id 2); row 1: 50/25/25 over 5, 9 (outside), 2
+    ids = torch.tensor([[7, 0, 1], [5, 9, 2]], dtype=torch.int32)
+    logp = torch.log(torch.tensor([[1.0, 1e-30, 1e-30], [0.5, 0.25, 0.25]])).half()
+    loss, usable = soft_cross_entropy(logq, ids, logp, t2d)
+    assert usable.all()
+    assert torch.allclose(loss[0], -logq[0, 2], atol=1e-4)
+    want = -(2 / 3 * logq[1, 1] + 1 / 3 * logq[1, 0])                 # renormalised over 5 and 2
+    assert torch.allclose(loss[1], want, atol=1e-3)
+    # nothing of the top k inside the draft vocabulary: not usable
+    _, usable = soft_cross_entropy(logq[:1], torch.tensor([[0, 1, 3]], dtype=torch.int32), logp[:1], t2d)
+    assert not usable.any()
+
+
+def test_training_with_soft_labels_runs_and_needs_them(harvested, tmp_path):
+    from workers.training.feature_drafter import train
+
+    target_dir, _, _, data = harvested
+    args = argparse.Namespace(target=target_dir, data=data, out=tmp_path / "soft", steps=12, batch=4, anchors=3,
+                              block_size=8, layers=1, intermediate=None, draft_vocab=128, gamma=7.0, lr=3e-3,
+                              save_every=6, fp32=True, resume=False, threads=0, seed=0, soft_weight=0.5)
+    train(args)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "soft" / "train_log.jsonl").read_text().splitlines()]
+    assert len(losses) >= 2 and all(0 < v < 20 for v in losses)
+    # the same seeded first batch without soft labels gives another loss: the soft term is in it
+    hard = argparse.Namespace(**{**vars(args), "soft_weight": 0.0, "steps": 1, "out": tmp_path / "hard"})
+    train(hard)
+    assert json.loads((tmp_path / "hard" / "train_log.jsonl").read_text().splitlines()[0])["loss"] != losses[0]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    meta = json.loads((data / "harvest.json").read_text())
+    meta["top_k"] = 0
+    (plain / "harvest.json").write_text(json.dumps(meta))
+    (plain / "shard_000.safetensors").symlink_to(data / "shard_000.safetensors")
+    args.data, args.out = plain, tmp_path / "refused"
+    with pytest.raises(ValueError, match="soft labels"):
+        train(args)
 
 
 def test_saving_in_bf16_keeps_the_draft_ids_exact(small_pair, tmp_path):

@@ -355,6 +355,37 @@ def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
     assert p.choose_steps(rows).eq(0).all()
 
 
+def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
+    """The drafting path's fixed cost grows with the batch (attention over drafted positions, the
+    acceptance path): drafting steps of 8 rows took 60 ms more than the cost model said, of 2
+    rows 1 ms more. The policy keeps one estimate per batch-size bucket, so the dear one does
+    not stop a 2-row batch from drafting; a size it never saw borrows the nearest bucket."""
+    import dataclasses
+
+    from policies.adaptive import batch_bucket
+    from policies.base import rows_per_pass
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    p = policies.get("adaptive")
+    for B, extra in ((8, 60.0), (2, 1.0)):
+        rows = dataclasses.replace(make_rows(B, 8), recent_accept=torch.full((B,), 0.97))
+        for drafted in [False, True] * 12:
+            steps = torch.full((B,), 1 if drafted else 0)
+            p.last_steps = steps
+            n = B * (5 if drafted else 1)
+            predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
+            p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if drafted else 0),
+                                        torch.zeros(B), (predicted + (extra if drafted else 0.0)) / 1e3, n))
+    assert 45.0 < p.draft_overhead_at(8) <= 60.0 + 1e-6
+    assert 0.5 < p.draft_overhead_at(2) <= 1.0 + 1e-6
+    assert p.draft_overhead_at(6) == p.draft_overhead_at(8)        # the same bucket
+    assert p.draft_overhead_at(32) == p.draft_overhead_at(8)       # nearest bucket seen
+    assert p.draft_overhead_at(1) == p.draft_overhead_at(2)
+    two = dataclasses.replace(make_rows(2, 8), recent_accept=torch.full((2,), 0.97))
+    p._plan = None
+    assert p.choose_steps(two).gt(0).all()
+
+
 def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     """Decision cadence: after a plain decision (nothing pays) the policy answers the next 1, 2,
     4, ... (at most hold_max) steps without deciding and asks the engine for no suffix drafts;
@@ -405,9 +436,12 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     """A drafting step teaches the cost tables its time less the learned `draft_overhead_ms`
     (charged separately), so the fixed cost is not counted twice; plain steps teach all of it."""
     p = policies.get("adaptive")
-    p.step_residual = {"draft": 2.0, "plain": 0.5}  # learned: drafting steps cost 1.5 ms more
+    # learned: drafting steps of 2 rows cost 1.5 ms more, of 5–8 rows 20 ms more
+    p.step_residual = {("draft", 2): 2.0, ("plain", 2): 0.5, ("draft", 8): 30.0, ("plain", 8): 10.0}
     drafted = StepOutcome(torch.tensor([1, 0]), torch.tensor([3, 0]), torch.zeros(2), 0.010, 6)
     plain = StepOutcome(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.zeros(2), 0.010, 2)
     assert p._table_ms(drafted, 10.0) == pytest.approx(8.5)
     assert p._table_ms(plain, 10.0) == pytest.approx(10.0)
+    wide = StepOutcome(torch.zeros(6, dtype=torch.long), torch.tensor([3, 0, 0, 0, 0, 0]), torch.zeros(6), 0.1, 9)
+    assert p._table_ms(wide, 100.0) == pytest.approx(80.0)
     assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "workers.training.harvest), concatenated: no target forward while training")
     p.add_argument("--init", type=Path, default=None,
                    help="with --features: warm start from this drafter directory (its shape and draft vocabulary)")
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="with --features: share of the loss on the target's top-k soft labels (harvest --top-k)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="with --features: a reduced draft vocabulary of the N most frequent answer tokens (0 = all)")
     p.add_argument("--sample-frac", type=float, default=0.25,

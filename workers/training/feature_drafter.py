@@ -12,6 +12,10 @@ at every position (`workers.training.harvest`). One step:
 4. Loss = Σ_k w_k · CE(drafter, the target's token at that position), over the reduced **draft
    vocabulary** (FR-Spec / EAGLE-3 style: the `draft_vocab` most frequent answer tokens; labels
    outside it are skipped, since the drafter can never propose them), w_k = exp(−(k − 1)/γ).
+   With `--soft-weight α` and a harvest that kept the target's top-k next tokens (`--top-k`), the
+   loss is `(1 − α) · CE(hard) + α · CE(soft)`, where the soft label is the target's own
+   distribution restricted to its top k tokens inside the draft vocabulary, renormalised
+   (distillation: for sampled answers it replaces one drawn token by the law it was drawn from).
 
 The target's embedding and LM-head rows are shared, never trained or saved. Checkpoints every
 `--save-every` steps (OUT/checkpoint/state.pt), `--resume` continues, tqdm progress.
@@ -77,9 +81,27 @@ def sample_batch(data: dict, rows: torch.Tensor, n: int, K: int, gen: torch.Gene
     return (lo[:, None] + offs).sort(-1).values
 
 
+def soft_cross_entropy(logq: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Tensor,
+                       t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """−Σ_i p̃_i · log q(i) against the target's top-k law restricted to the draft vocabulary.
+
+    logq [..., Vd] the drafter's log-probabilities; soft_ids [..., k] target token ids and
+    soft_logp [..., k] their target log-probabilities. Returns (loss [...], usable [...]: some of
+    the top k lies inside the draft vocabulary)."""
+    d = t2d[soft_ids.long()]                                            # [..., k] draft ids (-1 = outside)
+    inside = d >= 0
+    p = soft_logp.float().exp() * inside                                # [..., k]
+    mass = p.sum(-1, keepdim=True)
+    p = p / mass.clamp_min(1e-9)
+    lq = logq.gather(-1, d.clamp(min=0))                                # [..., k]
+    return -(p * lq).sum(-1), mass.squeeze(-1) > 0
+
+
 def feature_loss(drafter, data: dict, rows: torch.Tensor, anchors: torch.Tensor, known: torch.Tensor,
-                 weights: torch.Tensor, t2d: torch.Tensor, autocast: bool) -> tuple[torch.Tensor, dict]:
-    """One packed drafter forward: rows [B], anchors [B, n], known [B, n, K]."""
+                 weights: torch.Tensor, t2d: torch.Tensor, autocast: bool,
+                 soft_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """One packed drafter forward: rows [B], anchors [B, n], known [B, n, K]; with soft_weight > 0
+    the data must carry soft labels (`soft_ids`, `soft_logp`)."""
     tokens = data["tokens"][rows].long()                                # [B, T]
     feats = data["features"][rows]                                      # [B, T, W] bf16
     B, T = tokens.shape
@@ -106,6 +128,14 @@ def feature_loss(drafter, data: dict, rows: torch.Tensor, anchors: torch.Tensor,
     ce = -logq.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)   # [B, n, K]
     w = weights * valid.float()
     loss = (ce * w).sum() / w.sum().clamp(min=1)
+    if soft_weight > 0:
+        cols_blk = pos_blk[..., 1:].reshape(B, -1)                      # [B, n·K]
+        k_top = data["soft_ids"].shape[-1]
+        sid = data["soft_ids"][rows].gather(1, cols_blk[..., None].expand(-1, -1, k_top)).view(B, n, K, k_top)
+        slp = data["soft_logp"][rows].gather(1, cols_blk[..., None].expand(-1, -1, k_top)).view(B, n, K, k_top)
+        soft, usable = soft_cross_entropy(logq, sid, slp, t2d)          # [B, n, K]
+        ws = weights * (usable & (pos_blk[..., 1:] < end[:, None, None]) & ~known).float()
+        loss = (1.0 - soft_weight) * loss + soft_weight * (soft * ws).sum() / ws.sum().clamp(min=1)
     with torch.no_grad():
         full = ~known.any(-1)                                           # fully masked blocks (s = 1)
         in_range = pos_blk[..., 1:] < end[:, None, None]
@@ -159,6 +189,11 @@ def train(args) -> dict:
     opt, sched, start = optimizer_and_start(drafter, args.lr, args.steps, ckpt if args.resume else None, gen,
                                             fused=True)
     weights = position_weights(args.block_size, args.gamma)
+    soft_weight = float(getattr(args, "soft_weight", 0.0) or 0.0)
+    if not 0.0 <= soft_weight <= 1.0:
+        raise ValueError(f"--soft-weight: must be in [0, 1], got {soft_weight}")
+    if soft_weight > 0 and "soft_ids" not in data:
+        raise ValueError("--soft-weight needs harvests with soft labels (workers.training.harvest --top-k)")
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "train_log.jsonl").open("a")
     drafter.train()
@@ -169,7 +204,7 @@ def train(args) -> dict:
         rows = torch.randint(0, len(data["tokens"]), (args.batch,), generator=gen)
         anchors = sample_batch(data, rows, args.anchors, args.block_size, gen)
         known = sample_known(args.batch, args.anchors, args.block_size, gen)
-        loss, stats = feature_loss(drafter, data, rows, anchors, known, weights, t2d, not args.fp32)
+        loss, stats = feature_loss(drafter, data, rows, anchors, known, weights, t2d, not args.fp32, soft_weight)
         update_and_log(drafter, opt, sched, loss, stats, step, args.steps, bar, log)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=8192, help="0 = the whole target vocabulary")
     p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--soft-weight", type=float, default=0.0,
+                   help="share of the loss on the target's top-k soft labels (needs harvest --top-k)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")

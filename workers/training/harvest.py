@@ -15,7 +15,10 @@ training anchors only before it.
 Shard layout (safetensors, one file per `shard_rows` rows, so a killed run resumes at its last
 shard): `tokens` [N, T] int32 (left-padded with 0), `features` [N, T, n * H] bf16 (zeros at
 padding), `pad` [N] (padding columns), `answer` [N] (first answer column), `end` [N] (one past the
-last useful column), `temperature` [N] float32.
+last useful column), `temperature` [N] float32, and with `top_k` > 0 the target's **soft labels**:
+`soft_ids` [N, T, k] int32 and `soft_logp` [N, T, k] float16, the k most likely next tokens of the
+target (at temperature 1) for the token in each answer column, and their log-probabilities (zeros
+outside the answer). Training can distil from them instead of from the one token drawn.
 
     python -m workers.training.harvest --target DIR --layers 7 14 22 29 --rows 1536 --out runs/harvest
 """
@@ -42,10 +45,12 @@ def encode_chats(tokenizer, conversations: list[list[dict]], max_prompt: int) ->
 
 @torch.no_grad()
 def generate_with_features(target, prompts: list[list[int]], answer_len: int, seq_len: int, layers: tuple[int, ...],
-                           temperature: torch.Tensor, stop_ids: tuple[int, ...], gen: torch.Generator) -> dict:
+                           temperature: torch.Tensor, stop_ids: tuple[int, ...], gen: torch.Generator,
+                           top_k: int = 0) -> dict:
     """Answer a batch of prompts (each ≤ seq_len − answer_len tokens) with the target.
 
-    temperature [B] (0 = greedy). Returns the shard fields for these B rows (module docstring)."""
+    temperature [B] (0 = greedy). Returns the shard fields for these B rows (module docstring); the
+    soft labels only when top_k > 0."""
     B = len(prompts)
     dev = target.model.embed_tokens.weight.device
     lens = torch.tensor([len(p) for p in prompts])
@@ -61,6 +66,8 @@ def generate_with_features(target, prompts: list[list[int]], answer_len: int, se
     answer = torch.zeros(B, answer_len, dtype=torch.long)
     feats = torch.zeros(B, answer_len, W, dtype=hidden.dtype)
     prompt_feats = hidden.cpu()
+    soft_ids = torch.zeros(B, answer_len, max(top_k, 1), dtype=torch.int32)
+    soft_logp = torch.zeros(B, answer_len, max(top_k, 1), dtype=torch.float16)
     start = lens.clone().to(dev)
     temp = temperature.to(dev)
     sampled = (temp > 0).nonzero().flatten()
@@ -74,6 +81,10 @@ def generate_with_features(target, prompts: list[list[int]], answer_len: int, se
         if i == answer_len:
             break
         answer[:, i] = nxt.cpu()
+        if top_k:
+            best = torch.log_softmax(step_logits, -1).topk(top_k, -1)               # [B, k]
+            soft_ids[:, i] = best.indices.int().cpu()
+            soft_logp[:, i] = best.values.half().cpu()
         logits, hidden = target(nxt[:, None], start, cache, 0, int(start.max()) + 1, capture=layers)
         feats[:, i] = hidden[:, 0].cpu()                                     # features of answer token i
         start = start + 1
@@ -90,8 +101,16 @@ def generate_with_features(target, prompts: list[list[int]], answer_len: int, se
         tokens[r, a + L :] = answer[r].int()
         features[r, a : a + L] = prompt_feats[r, :L].to(torch.bfloat16)
         features[r, a + L :] = feats[r].to(torch.bfloat16)
-    return {"tokens": tokens, "features": features, "pad": pad, "answer": pad + lens,
-            "end": pad + lens + first_stop + 1, "temperature": temperature.float()}
+    shard = {"tokens": tokens, "features": features, "pad": pad, "answer": pad + lens,
+             "end": pad + lens + first_stop + 1, "temperature": temperature.float()}
+    if top_k:
+        shard["soft_ids"] = torch.zeros(B, seq_len, top_k, dtype=torch.int32)
+        shard["soft_logp"] = torch.zeros(B, seq_len, top_k, dtype=torch.float16)
+        for r in range(B):
+            a = int(pad[r] + lens[r])
+            shard["soft_ids"][r, a:] = soft_ids[r]
+            shard["soft_logp"][r, a:] = soft_logp[r]
+    return shard
 
 
 def harvest(args) -> dict:
@@ -120,7 +139,7 @@ def harvest(args) -> dict:
     stop_ids = tuple({tokenizer.eos_token_id, *(args.stop_ids or [])} - {None})
     meta = {"target": str(args.target), "layers": list(layers), "seq_len": args.seq_len, "answer_len": args.answer_len,
             "rows": len(prompts), "sample_frac": args.sample_frac, "dtype": args.dtype, "seed": args.seed,
-            "split": args.split, "stop_ids": list(stop_ids), "shards": []}
+            "split": args.split, "stop_ids": list(stop_ids), "top_k": args.top_k, "shards": []}
     t0 = time.time()
     shard_rows = args.shard_rows
     for s, lo in enumerate(tqdm(range(0, len(order), shard_rows), desc="harvest", unit="shard")):
@@ -130,7 +149,8 @@ def harvest(args) -> dict:
             continue
         idx = order[lo : lo + shard_rows]
         parts = [generate_with_features(target, [prompts[i] for i in idx[b : b + args.batch]], args.answer_len,
-                                        args.seq_len, layers, temps[idx[b : b + args.batch]], stop_ids, gen)
+                                        args.seq_len, layers, temps[idx[b : b + args.batch]], stop_ids, gen,
+                                        args.top_k)
                  for b in range(0, len(idx), args.batch)]
         shard = {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
         save_file(shard, str(path))
@@ -143,7 +163,8 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
     """All shards of one or more harvest directories, concatenated (features stay bf16).
 
     Several directories (e.g. harvests with different seeds) must share layers and seq_len; the
-    returned `meta` is the first one's, with `rows` summed and `sources` listing every directory."""
+    returned `meta` is the first one's, with `rows` summed and `sources` listing every directory.
+    Soft labels are kept only when every directory has them with the same k."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -153,6 +174,8 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
         for key in ("layers", "seq_len"):
             if m[key] != metas[0][key]:
                 raise ValueError(f"harvest {d}: {key} = {m[key]} but {dirs[0]} has {metas[0][key]}")
+    top_ks = {m.get("top_k", 0) for m in metas}
+    soft = len(top_ks) == 1 and top_ks != {0}
     # shards are copied one at a time into preallocated tensors, so the peak memory is the
     # data plus one shard (a plain torch.cat of every shard would hold the data twice)
     paths = [d / name for d, m in zip(dirs, metas) for name in m["shards"]]
@@ -166,6 +189,8 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
         part = load_file(str(path))
         n = len(part["tokens"])
         for k, v in part.items():
+            if k.startswith("soft_") and not soft:
+                continue
             if k not in data:
                 data[k] = torch.empty((rows, *v.shape[1:]), dtype=v.dtype)
             data[k][at : at + n] = v
@@ -174,6 +199,7 @@ def load_shards(directories) -> dict[str, torch.Tensor]:
     meta = dict(metas[0])
     meta["rows"] = len(data["tokens"])
     meta["sources"] = [str(d) for d in dirs]
+    meta["top_k"] = metas[0].get("top_k", 0) if soft else 0
     data["meta"] = meta
     return data
 
@@ -190,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--sample-frac", type=float, default=0.25)
     p.add_argument("--split", default="train", choices=["train", "heldout"])
     p.add_argument("--stop-ids", type=int, nargs="*", default=None, help="end-of-turn ids besides the tokenizer's eos")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the target's k most likely next tokens per answer column (soft labels)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
