@@ -99,7 +99,7 @@ class AdaptivePolicy(Policy):
         # not, per batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
         self._batch = 1  # rows of the latest step decided or observed
-        self._suffix_pred = None  # (predicted ms, widened?) of this step's choice
+        self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged) of this step's choice
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
             raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
@@ -254,17 +254,19 @@ class AdaptivePolicy(Policy):
         wide = caps > k_plan
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
+        fixed = torch.zeros_like(ms)                                                   # [Ks + 1] drafting path's fixed ms
         if not bool(diffusing.any()):  # the plan drafts nothing: widening takes the drafting path
-            ms[1:] = ms[1:] + self.draft_overhead_at(B)
+            fixed[1:] = self.draft_overhead_at(B)
+        ms = ms + fixed
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
         best = int(torch.argmax(value))
         # widening must be predicted `suffix_margin` better than the plan (the prediction is noisy)
         if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
-            self._suffix_pred = (float(raw[0]), False)
+            self._suffix_pred = (float(raw[0]), False, float(fixed[0]))
             return steps
-        self._suffix_pred = (float(raw[best]), bool(wide[best]))
+        self._suffix_pred = (float(raw[best]), bool(wide[best]), float(fixed[best]))
         take = (gain[:, best] > 0) & (n > 0)
         self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
@@ -315,11 +317,13 @@ class AdaptivePolicy(Policy):
             r, prev = measured - predicted, self.step_residual.get(key)
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
-            chosen_ms, wide = self._suffix_pred
+            chosen_ms, wide, fixed_ms = self._suffix_pred
             self._suffix_pred = None
             if chosen_ms > 0 and measured > 0:
+                # the ratio corrects what the fixed drafting cost, charged separately, does not
+                # explain (else that cost is counted twice: once scaled into the ratio, once added)
                 key = "wide" if wide else "plan"
-                r = min(max(measured / chosen_ms, 0.25), 4.0)
+                r = min(max((measured - fixed_ms) / chosen_ms, 0.25), 4.0)
                 self.suffix_cost_ratio[key] = 0.8 * self.suffix_cost_ratio[key] + 0.2 * r
 
     def _with_suffix(self, decision, rows, draft):

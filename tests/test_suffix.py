@@ -221,3 +221,30 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
     steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
     assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed._suffix_k[0]) >= 4
+
+
+def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
+    """A widened step that took exactly what the policy charged (its table's time plus the
+    learned fixed cost of the drafting path) leaves the suffix cost ratio at 1: the ratio
+    corrects only what the fixed cost does not explain."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState, StepOutcome
+
+    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
+    policy.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
+    B = 4
+    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
+                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+    for _ in range(10):
+        assert (policy.choose_steps(rows) == SUFFIX).all()
+        k = int(policy._suffix_k.max())
+        took = policy.cost.step_ms_at(float(B * (k + 1))) + policy.draft_overhead_at(B)
+        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
+                                         took / 1e3, B * (k + 1)))
+    assert abs(policy.suffix_cost_ratio["wide"] - 1.0) < 0.02
