@@ -98,7 +98,7 @@ class AdaptivePolicy(Policy):
         # EMAs of measured − predicted step ms, for steps that verified drafts and steps that did
         # not, per batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
-        self._batch = 1  # rows of the latest step decided or observed
+        self._batch = 1  # rows of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged) of this step's choice
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
