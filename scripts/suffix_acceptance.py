@@ -1,0 +1,75 @@
+"""Realised suffix-draft acceptance per match-length bucket, against the policy file's table.
+
+Serves one workload live with static suffix drafting (`suffix`) at one load, and from the trace
+computes, per match-length bucket of `adapt/suffix_fit.py`, the maximum-likelihood per-token
+acceptance `c = Σ accepted / (Σ accepted + Σ rejections)` of the suffix drafts verified, next to
+the `suffix_accept` table the adaptive policy plans with. Example (stop 18):
+
+    python scripts/suffix_acceptance.py --pair smollm2 --workload chat --load 4 --requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--workload", default="chat")
+    p.add_argument("--load", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--policy-file", default=None, help="default: the pair's shipped policy.json")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from adapt.bench.live import run_live
+    from adapt.bench.policies import chat_prompt_limit, make_policy, workload_prompts
+    from adapt.replay import Scenario, make_mix
+    from workers.engine import Engine, EngineConfig
+    from workers.pairs import get_pair
+    from workers.traces import ListTraceSink
+
+    torch.set_num_threads(args.threads)
+    pair = get_pair(args.pair)
+    pair.prepare()
+    limit = chat_prompt_limit(64)
+    engine = Engine(EngineConfig(target=pair.target, drafter=pair.drafter, device="auto", dtype="auto",
+                                 max_batch=args.load, max_len=limit + args.max_tokens + 8))
+    prompts = workload_prompts(engine, args.workload, 64, limit, 0)
+    sink = ListTraceSink()
+    run_live(engine, make_policy("suffix", None, width=engine.block),
+             Scenario("suffix", args.load, make_mix(args.requests, 1e6, 1e6, max_tokens=args.max_tokens)),
+             prompts, trace_sink=sink)
+    root = Path(__file__).resolve().parents[1]
+    policy_file = Path(args.policy_file) if args.policy_file else root / "models" / args.pair / "policy.json"
+    table = json.loads(policy_file.read_text())["settings"]["suffix_accept"]
+    edges = table["match"]
+    counts = defaultdict(lambda: [0, 0, 0])  # bucket -> [accepted, rejections, drafts]
+    for r in sink.records:
+        if r.get("source") != "suffix" or r["draft_len"] <= 0:
+            continue
+        bucket = max([e for e in edges if e <= (r.get("suffix_match") or 0)] or [edges[0]])
+        counts[bucket][0] += r["accepted"]
+        counts[bucket][1] += int(r["accepted"] < r["draft_len"])
+        counts[bucket][2] += 1
+    rows = []
+    for b in sorted(counts):
+        a, rej, n = counts[b]
+        rows.append({"match_from": b, "drafts": n, "accepted": a, "rejections": rej,
+                     "c": round(a / max(a + rej, 1), 3), "table": table["accept"][edges.index(b)]})
+        print(json.dumps(rows[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
