@@ -36,26 +36,15 @@ def main(argv=None) -> int:
     import torch
 
     from adapt.bench.live import run_live
-    from adapt.bench.policies import chat_prompt_limit, make_policy, workload_prompts
+    from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import profile_engine
     from adapt.replay import Scenario, make_mix
-    from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
-    from workers.pairs import get_pair
     from workers.traces import ListTraceSink
 
     torch.set_num_threads(args.threads)
     loads = [int(x) for x in args.loads.split(",")]
-    if args.pair == "demo":
-        target, drafter = DEMO_TARGET, DEMO_DRAFTER
-    else:
-        pair = get_pair(args.pair)
-        pair.prepare()
-        target, drafter = pair.target, pair.drafter
-    limit = chat_prompt_limit(64)
-    engine = Engine(EngineConfig(target=target, drafter=drafter, device="auto", dtype="auto", max_batch=max(loads),
-                                 max_len=limit + args.max_tokens + 8))
+    engine, prompts = workload_engine(args.pair, args.workload, max(loads), args.max_tokens)
     cost = profile_engine(engine)
-    prompts = workload_prompts(engine, args.workload, 64, limit, 0)
     K = engine.block
     groups: dict[tuple, list[float]] = defaultdict(list)
     for c in loads:

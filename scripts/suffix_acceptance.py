@@ -33,19 +33,12 @@ def main(argv=None) -> int:
     import torch
 
     from adapt.bench.live import run_live
-    from adapt.bench.policies import chat_prompt_limit, make_policy, workload_prompts
+    from adapt.bench.policies import make_policy, workload_engine
     from adapt.replay import Scenario, make_mix
-    from workers.engine import Engine, EngineConfig
-    from workers.pairs import get_pair
     from workers.traces import ListTraceSink
 
     torch.set_num_threads(args.threads)
-    pair = get_pair(args.pair)
-    pair.prepare()
-    limit = chat_prompt_limit(64)
-    engine = Engine(EngineConfig(target=pair.target, drafter=pair.drafter, device="auto", dtype="auto",
-                                 max_batch=args.load, max_len=limit + args.max_tokens + 8))
-    prompts = workload_prompts(engine, args.workload, 64, limit, 0)
+    engine, prompts = workload_engine(args.pair, args.workload, args.load, args.max_tokens)
     sink = ListTraceSink()
     run_live(engine, make_policy("suffix", None, width=engine.block),
              Scenario("suffix", args.load, make_mix(args.requests, 1e6, 1e6, max_tokens=args.max_tokens)),

@@ -169,6 +169,19 @@ def test_without_global_memory_a_request_copies_only_its_own_text(target):
     assert len(engine.suffix.propose(index).tokens) == 0
 
 
+def _confident_suffix_rows(B: int):
+    """B greedy rows without a drafter, each offered an 8-token suffix draft of a 12-token match."""
+    import torch
+
+    from workers.decisions import RowState
+
+    return RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
+                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+
+
 def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
     """The suffix choice's cost is corrected online by measured / predicted step times: when
     widened steps keep taking 4x their prediction, the policy stops widening."""
@@ -176,15 +189,11 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState, StepOutcome
+    from workers.decisions import SUFFIX, StepOutcome
 
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
     B = 4
-    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
-                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+    rows = _confident_suffix_rows(B)
     assert (policy.choose_steps(rows) == SUFFIX).all()  # long confident matches, cheap slots: widen
     for _ in range(30):
         steps = policy.choose_steps(rows)
@@ -231,16 +240,12 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState, StepOutcome
+    from workers.decisions import SUFFIX, StepOutcome
 
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
     policy.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
     B = 4
-    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
-                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+    rows = _confident_suffix_rows(B)
     for _ in range(10):
         assert (policy.choose_steps(rows) == SUFFIX).all()
         k = int(policy._suffix_k.max())

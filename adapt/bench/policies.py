@@ -143,6 +143,21 @@ def chat_prompt_limit(length: int) -> int:
     return 4 * length + 256
 
 
+def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int):
+    """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
+    `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens) plus
+    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`)."""
+    from workers.engine import Engine, EngineConfig
+    from workers.pairs import get_pair
+
+    spec = get_pair(pair)
+    spec.prepare()
+    limit = chat_prompt_limit(64)
+    engine = Engine(EngineConfig(target=spec.target, drafter=spec.drafter, device="auto", dtype="auto",
+                                 max_batch=max_batch, max_len=limit + max_tokens + 8))
+    return engine, workload_prompts(engine, workload, 64, limit, 0)
+
+
 def workload_prompts(engine, workload: str, n: int, limit: int, seed: int) -> list[list[int]] | None:
     """`n` prompts of `workload` (adapt/bench/workloads.py) as token ids through the target's chat
     template (`workers.chat.chat_prompt_ids`: a plain transcript without a template); prompts
