@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from tests.tiny_models import make_tiny_target, single_thread, tiny_hf_config
 from workers.drafter import init_drafter
 from workers.linear import (
+    WIDE_ROWS,
     ShapeAwareLinear,
     can_pack,
     fuse_linears,
@@ -18,6 +19,7 @@ from workers.linear import (
     prepare_for_inference,
     use_fp32,
     wants_shadow,
+    wants_wide_shadow,
 )
 from workers.target_model import load_target
 
@@ -153,3 +155,42 @@ def test_prepared_model_can_be_copied():
     x = torch.randn(3, 16).to(torch.bfloat16)
     out = lin(x)  # builds the packed weight
     torch.testing.assert_close(copy.deepcopy(lin)(x), out, atol=0, rtol=0)
+
+
+def test_wide_shadow_only_without_native_low_precision():
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert wants_wide_shadow(w) == (not can_pack(w))  # this machine's answer, whichever it is
+    assert not wants_wide_shadow(w.float())
+    assert not wants_wide_shadow(torch.empty(64, 32, dtype=torch.bfloat16, device="meta"))
+
+
+@pytest.mark.parametrize("rows", [1, WIDE_ROWS - 1, WIDE_ROWS, 40])
+def test_wide_matmuls_take_the_fp32_shadow_where_bf16_is_emulated(rows, monkeypatch):
+    monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)  # as on an AVX2-only CPU
+    lin = _linear(64, 96)
+    sa = ShapeAwareLinear.from_linear(lin, threshold=0)  # no small-matmul shadow: only the wide rule
+    assert "_fp32" not in sa.__dict__
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    out = sa(x)
+    exact32 = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    if rows >= WIDE_ROWS:  # fp32 math, one rounding, and the shadow now exists
+        torch.testing.assert_close(out, exact32.to(torch.bfloat16), atol=0, rtol=0)
+        assert sa.__dict__["_fp32"][0].dtype == torch.float32
+    else:  # the plain bf16 matmul; no fp32 copy is built
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)
+        assert "_fp32" not in sa.__dict__
+    sa.wide_rows = None
+    sa.refresh()
+    torch.testing.assert_close(sa(x), F.linear(x, lin.weight, lin.bias), atol=0, rtol=0)  # switched off
+
+
+def test_wide_shadow_follows_reloads(monkeypatch):
+    monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)
+    lin = _linear(16, 8)
+    sa = ShapeAwareLinear.from_linear(lin, threshold=0)
+    x = torch.randn(WIDE_ROWS, 16).to(torch.bfloat16)
+    sa(x)
+    new = {"weight": torch.randn(8, 16).to(torch.bfloat16), "bias": torch.randn(8).to(torch.bfloat16)}
+    sa.load_state_dict(new)
+    torch.testing.assert_close(sa(x), F.linear(x.float(), new["weight"].float(), new["bias"].float()).to(torch.bfloat16),
+                               atol=0, rtol=0)

@@ -427,7 +427,9 @@ def _rows_of(lm_head: nn.Module, ids: torch.Tensor) -> nn.Linear:
     weight = lm_head.weight.detach()[ids.to(lm_head.weight.device)]  # [V_draft, H]
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(weight, requires_grad=False)
-    return ShapeAwareLinear.from_linear(head) if isinstance(lm_head, ShapeAwareLinear) else head
+    if isinstance(lm_head, ShapeAwareLinear):
+        return ShapeAwareLinear.from_linear(head, lm_head.threshold, lm_head.wide_rows)
+    return head
 
 
 def embedding_signature(weight: torch.Tensor) -> list[float]:

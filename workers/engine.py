@@ -42,7 +42,7 @@ from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
 from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step
-from workers.linear import prepare_for_inference
+from workers.linear import WIDE_ROWS, prepare_for_inference
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import probabilities, race_sample
 from workers.step_batch import RequestState, StepBatch, StepPlan, StepResult, common_value, sampling_tensors
@@ -66,7 +66,10 @@ class EngineConfig:
     max_batch: running requests at once; max_len: prompt + generated tokens per request;
     shape_aware_linear: on CPU, run the bf16/fp16 target's and drafter's matmuls through packed
     oneDNN weights, the smallest through fp32 copies (workers/linear.py; ignored on GPUs and in
-    fp32; False = plain `F.linear`); compile: "on" | "off" | "auto" (on for CPU devices), or a
+    fp32; False = plain `F.linear`); wide_fp32: with shape-aware linears, on a CPU without native
+    bf16/fp16 matmuls (AVX2 only), run matmuls of `WIDE_ROWS` or more tokens (prefill, wide
+    verifies, batches of 10+) through fp32 copies of the weights, ~5x faster for prefill at the
+    price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere); compile: "on" | "off" | "auto" (on for CPU devices), or a
     bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
     (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
     compile on the spot); suffix: keep a suffix drafter (workers/suffix.py) so that rows may
@@ -87,6 +90,7 @@ class EngineConfig:
     max_len: int = 1024
     seed: int = 0  # seeds the generators of requests that bring no seed
     shape_aware_linear: bool = True
+    wide_fp32: bool = True
     compile: bool | str = False
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
@@ -110,7 +114,9 @@ class Engine:
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
         self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
                                                      and not self.compiled)
-        self.target = load_target(config.target, self.dtype, self.device, shape_aware=config.shape_aware_linear)
+        wide_rows = WIDE_ROWS if config.wide_fp32 else None
+        self.target = load_target(config.target, self.dtype, self.device, shape_aware=config.shape_aware_linear,
+                                  wide_rows=wide_rows)
         tcfg = self.target.config
         self.vocab = tcfg.vocab_size
         self.max_len = min(config.max_len, tcfg.max_position)
@@ -126,7 +132,7 @@ class Engine:
             if not (path / "config.json").is_file():
                 raise EngineInputError(f"drafter directory {str(path)!r} does not exist or has no config.json")
             self.drafter = load_drafter(path, tcfg.hf_config, device=self.device, dtype=self.dtype)
-            prepare_for_inference(self.drafter, shape_aware=config.shape_aware_linear)
+            prepare_for_inference(self.drafter, shape_aware=config.shape_aware_linear, wide_rows=wide_rows)
             self.drafter.bind(self.target.model.embed_tokens, self.target.lm_head).eval().requires_grad_(False)
             self.block = self.drafter.config.block_size
             self.capture = tuple(self.drafter.config.target_layer_ids)

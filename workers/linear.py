@@ -8,11 +8,20 @@ Words used here:
   the packed call skips it and is 10–45% faster at every size measured (docs/engine.md, "Speed").
 - **shadow**: a float32 copy of the weight. fp32 has no fixed cost at all, but reads twice the
   bytes, so it only wins for tiny matmuls (one row through a 256 × 256 weight).
+- **native low precision**: whether oneDNN computes bf16 (fp16) matmuls in hardware (AVX-512
+  BF16 / AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`). Without it (AVX2-only CPUs, e.g.
+  AMD EPYC before Zen 4) a bf16 matmul is emulated: ~5 GMAC/s on one core against ~45 in fp32,
+  so its cost grows with every row, while fp32's stays near the time to read the weight.
+- **wide matmul**: one with at least `WIDE_ROWS` rows (tokens in the forward: a prefill chunk,
+  a verify block, a batch of 4+ decoding rows).
 - **shape-aware linear**: per call, matmuls of at most `SMALL_MATMUL_MACS` MACs use the shadow
   (input cast to fp32, output cast back to the input dtype), larger ones the packed weight. Only
   layers whose one-row matmul is within the threshold get a shadow, so for big models only the
-  small projections do. Both copies are built on first use (parts of a fused projection never
-  are). Off the CPU, or for fp32 weights, it is exactly `nn.Linear`.
+  small projections do. Where the CPU has no native low precision, wide matmuls use an fp32
+  shadow too (every layer may get one then, built at its first wide call: the fp32 copy doubles
+  the weights' memory; 4–6x faster at 8–64 rows, measured in docs/engine.md, "Speed"). The
+  copies are built on first use (parts of a fused projection never are). Off the CPU, or for
+  fp32 weights, it is exactly `nn.Linear`.
 - **fused projection**: several linears that read the same input (q/k/v, gate/up) computed as one
   matmul over their concatenated weights. The parts keep their parameters (and so their names,
   `state_dict` and loading), whose storage becomes a slice of the fused weight: no extra memory.
@@ -32,6 +41,11 @@ from torch.nn import functional as F
 # adapt.bench.forward_speed --linears`): against the packed path fp32 wins for 1–4 rows through
 # 256 × 256 (17–21 vs 22–24 µs) and loses for one row through 256 × 768 (42 vs 36 µs, 197K MACs).
 SMALL_MATMUL_MACS = 150_000
+# Tokens from which a CPU without native bf16 runs a bf16 layer through its fp32 shadow. Measured
+# on SmolLM2-135M, two threads, an AMD EPYC with AVX2 only (`python -m adapt.bench.forward_speed
+# --wide-table`, docs/engine.md "Wide fp32 matmuls"): emulated bf16 costs ~21 ms per token per
+# forward, fp32 ~200 ms flat up to ~16 tokens (reading 4-byte weights), so the two cross at 8–10.
+WIDE_ROWS = 10
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -44,6 +58,12 @@ def can_pack(weight: torch.Tensor) -> bool:
         return bool(mkldnn._is_mkldnn_bf16_supported() if weight.dtype == torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         return False
+
+
+def wants_wide_shadow(weight: torch.Tensor) -> bool:
+    """Whether wide matmuls through this weight [out, in] run in fp32: a CPU bf16/fp16 weight
+    whose dtype the CPU has no native matmuls for."""
+    return weight.device.type == "cpu" and weight.dtype in _LOW_PRECISION and not can_pack(weight)
 
 
 def wants_shadow(weight: torch.Tensor, threshold: int = SMALL_MATMUL_MACS) -> bool:
@@ -62,38 +82,52 @@ class ShapeAwareLinear(nn.Linear):
     packed weight (module docstring). Build it with `from_linear`, which shares the Parameters."""
 
     threshold: int = SMALL_MATMUL_MACS
+    wide_rows: int | None = WIDE_ROWS  # None: never the wide fp32 path
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, threshold: int = SMALL_MATMUL_MACS) -> "ShapeAwareLinear":
+    def from_linear(cls, linear: nn.Linear, threshold: int = SMALL_MATMUL_MACS,
+                    wide_rows: int | None = WIDE_ROWS) -> "ShapeAwareLinear":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects (ties survive)
-        new.threshold = threshold
+        new.threshold, new.wide_rows = threshold, wide_rows
         new.register_load_state_dict_post_hook(_after_load)
         return new
 
     def refresh(self) -> None:
         """Forget the derived copies; the next call rebuilds them from the current weights."""
         self.__dict__.pop("_derived", None)
+        self.__dict__.pop("_fp32", None)
 
     def _derive(self) -> tuple:
-        """(fp32 weight, fp32 bias, packed weight), each None where it does not apply."""
+        """(fp32 weight, fp32 bias, packed weight, wide), each None (False) where it does not
+        apply; ``wide``: wide matmuls take the fp32 shadow (built by `_shadow` at the first)."""
         w = self.weight.detach()
         w32 = b32 = packed = None
         if wants_shadow(w, self.threshold):
-            w32 = w.float()
-            b32 = None if self.bias is None else self.bias.detach().float()
+            w32, b32 = self._shadow()
         if can_pack(w):
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # layout tuned for few rows
-        self.__dict__["_derived"] = (w32, b32, packed)
+        wide = self.wide_rows is not None and wants_wide_shadow(w)
+        self.__dict__["_derived"] = (w32, b32, packed, wide)
         return self.__dict__["_derived"]
+
+    def _shadow(self) -> tuple:
+        """The fp32 copies of the weight and bias (built once, until `refresh`)."""
+        if "_fp32" not in self.__dict__:
+            b32 = None if self.bias is None else self.bias.detach().float()
+            self.__dict__["_fp32"] = (self.weight.detach().float(), b32)
+        return self.__dict__["_fp32"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled program packs its own weights (workers/compiled.py)
             return F.linear(x, self.weight, self.bias)
-        w32, b32, packed = self.__dict__.get("_derived") or self._derive()
+        w32, b32, packed, wide = self.__dict__.get("_derived") or self._derive()
         if w32 is not None and x.numel() * self.out_features <= self.threshold:  # numel = rows × in
+            return F.linear(x.float(), w32, b32).to(x.dtype)
+        if wide and x.numel() >= self.wide_rows * self.in_features:  # a wide matmul, no native bf16
+            w32, b32 = self._shadow()
             return F.linear(x.float(), w32, b32).to(x.dtype)
         if packed is not None and x.dtype == self.weight.dtype:
             bias = None if self.bias is None else self.bias.detach()
@@ -108,6 +142,7 @@ class ShapeAwareLinear(nn.Linear):
     def __getstate__(self):  # packed oneDNN weights cannot be copied or pickled; they are rebuilt
         state = self.__dict__.copy()
         state.pop("_derived", None)
+        state.pop("_fp32", None)
         return state
 
 
@@ -116,21 +151,22 @@ def _after_load(module: nn.Module, _incompatible_keys) -> None:
     module.refresh()
 
 
-def make_shape_aware(module: nn.Module, threshold: int = SMALL_MATMUL_MACS) -> nn.Module:
+def make_shape_aware(module: nn.Module, threshold: int = SMALL_MATMUL_MACS, wide_rows: int | None = WIDE_ROWS) -> nn.Module:
     """Replace every `nn.Linear` under `module` (itself included) by a `ShapeAwareLinear` sharing
     its Parameters; names, ties and `state_dict` are unchanged. Returns the (new) module."""
     if isinstance(module, ShapeAwareLinear):
         return module
     if type(module) is nn.Linear:
-        return ShapeAwareLinear.from_linear(module, threshold)
+        return ShapeAwareLinear.from_linear(module, threshold, wide_rows)
     for name, child in list(module.named_children()):
-        new = make_shape_aware(child, threshold)
+        new = make_shape_aware(child, threshold, wide_rows)
         if new is not child:
             setattr(module, name, new)
     return module
 
 
-def fuse_linears(parts: list[nn.Linear], threshold: int | None = SMALL_MATMUL_MACS) -> nn.Linear:
+def fuse_linears(parts: list[nn.Linear], threshold: int | None = SMALL_MATMUL_MACS,
+                 wide_rows: int | None = WIDE_ROWS) -> nn.Linear:
     """One linear whose output is `cat([p(x) for p in parts], -1)`. Each part's weight (and bias)
     storage becomes a row slice of the fused one, so the parts keep working and loading into them
     writes through. `threshold` None: a plain `nn.Linear`, else a `ShapeAwareLinear`. The result
@@ -148,7 +184,7 @@ def fuse_linears(parts: list[nn.Linear], threshold: int | None = SMALL_MATMUL_MA
     fused.weight = nn.Parameter(weight, requires_grad=False)
     fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
     if threshold is not None:
-        fused = ShapeAwareLinear.from_linear(fused, threshold)
+        fused = ShapeAwareLinear.from_linear(fused, threshold, wide_rows)
     rows = 0
     for p in parts:
         sl = slice(rows, rows + p.out_features)
@@ -170,13 +206,13 @@ class Fusable(nn.Module):
 
     FUSE: dict[str, tuple[str, ...]] = {}
 
-    def fuse(self, threshold: int | None = SMALL_MATMUL_MACS) -> None:
-        """Build the fused linears (`threshold` as in `fuse_linears`)."""
-        self.__dict__["_fuse_threshold"] = threshold
+    def fuse(self, threshold: int | None = SMALL_MATMUL_MACS, wide_rows: int | None = WIDE_ROWS) -> None:
+        """Build the fused linears (`threshold` and `wide_rows` as in `fuse_linears`)."""
+        self.__dict__["_fuse_threshold"] = threshold, wide_rows
         if not self.__dict__.get("_fuse_hooked"):
             self.register_load_state_dict_post_hook(_after_load)
             self.__dict__["_fuse_hooked"] = True
-        self.__dict__["_fused"] = {name: fuse_linears([self.get_submodule(p) for p in paths], threshold)
+        self.__dict__["_fused"] = {name: fuse_linears([self.get_submodule(p) for p in paths], threshold, wide_rows)
                                    for name, paths in self.FUSE.items()}
 
     def unfuse(self) -> None:
@@ -188,7 +224,7 @@ class Fusable(nn.Module):
 
     def _refuse(self) -> None:
         if "_fused" in self.__dict__:
-            self.fuse(self.__dict__["_fuse_threshold"])
+            self.fuse(*self.__dict__["_fuse_threshold"])
 
     def refresh(self) -> None:  # called after load_state_dict
         self._refuse()
@@ -200,19 +236,20 @@ class Fusable(nn.Module):
 
 
 def prepare_for_inference(module: nn.Module, shape_aware: bool = True, fuse: bool = True,
-                          threshold: int = SMALL_MATMUL_MACS) -> nn.Module:
+                          threshold: int = SMALL_MATMUL_MACS, wide_rows: int | None = WIDE_ROWS) -> nn.Module:
     """Make `module` (already on its device and dtype) fast for inference: every `Fusable` under
     it builds its fused projections (`fuse`), and on CPU every linear becomes a
-    `ShapeAwareLinear` (`shape_aware`; a no-op elsewhere, where linears stay plain). Parameter
+    `ShapeAwareLinear` (`shape_aware`; a no-op elsewhere, where linears stay plain; `wide_rows`
+    None: no wide fp32 matmuls, else as `WIDE_ROWS`). Parameter
     names, ties and `state_dict` are unchanged. Returns the module."""
     param = next(module.parameters(), None)
     sa = shape_aware and param is not None and param.device.type == "cpu"
     if sa:
-        module = make_shape_aware(module, threshold)
+        module = make_shape_aware(module, threshold, wide_rows)
     for m in reversed(list(module.modules())):  # children before parents: an outer fusion wins
         if isinstance(m, Fusable):
             if fuse:
-                m.fuse(threshold if sa else None)
+                m.fuse(threshold if sa else None, wide_rows)
             else:
                 m.unfuse()
     return module

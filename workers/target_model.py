@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from workers.kv_cache import KVCache
 from workers.layers import RMSNorm, SwiGLU, rope_cos_signed_sin, rotate_signed
-from workers.linear import SMALL_MATMUL_MACS, Fusable, prepare_for_inference
+from workers.linear import SMALL_MATMUL_MACS, WIDE_ROWS, Fusable, prepare_for_inference
 from workers.request import ModelLoadError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -287,10 +287,10 @@ class TargetModel(nn.Module):
         return cs[:, :, 0:1], cs[:, :, 1:2]  # cs [B or 1, T, 2, d]
 
     def prepare_for_inference(self, shape_aware: bool = True, fuse: bool = True,
-                              threshold: int = SMALL_MATMUL_MACS) -> "TargetModel":
+                              threshold: int = SMALL_MATMUL_MACS, wide_rows: int | None = WIDE_ROWS) -> "TargetModel":
         """Fused q/k/v and gate/up projections, and (CPU only) shape-aware linears; see
         workers/linear.py. Parameter names and `state_dict` are unchanged. Returns self."""
-        return prepare_for_inference(self, shape_aware=shape_aware, fuse=fuse, threshold=threshold)
+        return prepare_for_inference(self, shape_aware=shape_aware, fuse=fuse, threshold=threshold, wide_rows=wide_rows)
 
     def new_cache(self, max_batch: int, max_len: int, dtype=None) -> KVCache:
         """A KV cache for this model. Default dtype: the model's on accelerators; float32 on CPU,
@@ -410,9 +410,9 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                shape_aware: bool = True, fuse: bool = True) -> TargetModel:
+                shape_aware: bool = True, fuse: bool = True, wide_rows: int | None = WIDE_ROWS) -> TargetModel:
     """Load a local HF Llama/Qwen2/Qwen3 directory into a `TargetModel` (eval mode, no grad),
-    prepared for inference (`TargetModel.prepare_for_inference(shape_aware, fuse)`)."""
+    prepared for inference (`TargetModel.prepare_for_inference(shape_aware, fuse, wide_rows=...)`)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"target directory {str(path)!r} does not exist or has no config.json")
@@ -437,4 +437,4 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return model.prepare_for_inference(shape_aware=shape_aware, fuse=fuse)
+    return model.prepare_for_inference(shape_aware=shape_aware, fuse=fuse, wide_rows=wide_rows)

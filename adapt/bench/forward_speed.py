@@ -5,6 +5,7 @@
     python -m adapt.bench.forward_speed --thresholds          # + shape-aware fp32 thresholds
     python -m adapt.bench.forward_speed --compile             # + torch.compile of the forward
     python -m adapt.bench.forward_speed --thread-table        # + the default forward at 1 vs N threads
+    python -m adapt.bench.forward_speed --wide-table          # + wide fp32 matmuls on vs off
 
 Variants of the same `TargetModel`, loaded side by side in one process and timed in turns (so a
 busy machine slows all of them alike; compare the ratios, not the absolute times):
@@ -24,6 +25,10 @@ the forward is told so (`start_value`), as the engine does for such batches.
 `--thread-table` times the default (`fused+sa`) forward at one thread and at `--threads` threads,
 in turns, for more shapes (B x T tokens from 1 to 136): where OpenMP's fork/join per op costs more
 than the second core gives back.
+
+`--wide-table` times the default forward with and without wide fp32 matmuls (`WIDE_ROWS`,
+workers/linear.py), in turns, from one token to a 256-token prefill. Where the CPU has native
+bf16 matmuls both variants are the same program (the wide path never applies).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch.nn import functional as F
 
 SHAPES = ((1, 1), (1, 17), (8, 1), (8, 17))
+WIDE_SHAPES = ((1, 1), (1, 4), (4, 1), (1, 8), (8, 1), (1, 17), (16, 1), (8, 3), (8, 17), (1, 256))
 THREAD_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (1, 8), (1, 17), (2, 17), (4, 17), (8, 17))
 LINEAR_SHAPES = ((256, 768), (256, 256), (768, 256), (256, 1536), (256, 4096))
 LINEAR_ROWS = (1, 2, 4, 8, 17, 136)
@@ -147,6 +153,34 @@ def thread_table(target: str, dtype: torch.dtype, context: int, iters: int, thre
     return out
 
 
+def wide_table(target: str, dtype: torch.dtype, context: int, iters: int, rounds: int = 5) -> dict:
+    """The default forward with wide fp32 matmuls (`on`) and without (`off`), in turns (median of
+    `rounds`), per shape; `on/off` < 1 where the wide path pays."""
+    import statistics
+
+    from workers.linear import WIDE_ROWS, can_pack
+    from workers.target_model import load_target
+
+    models = {"on": load_target(target, dtype), "off": load_target(target, dtype, wide_rows=None)}
+    caches = {k: m.new_cache(max(b for b, _ in WIDE_SHAPES), context + 300) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(0)
+    out = {"wide_rows": WIDE_ROWS, "native_low_precision": can_pack(next(models["on"].parameters()))}
+    with torch.inference_mode():
+        for b, T in WIDE_SHAPES:
+            ids = torch.randint(0, 100, (b, T), generator=gen)
+            start = torch.full((b,), context)
+            n = max(1, iters // max(1, b * T // 8))
+            ms = {k: [] for k in models}
+            for r in range(rounds):
+                for k in (("on", "off") if r % 2 else ("off", "on")):
+                    m, c = models[k], caches[k]
+                    ms[k].append(_best_us(lambda: m(ids, start, c, 0, context + T, start_value=context), n, reps=1) / 1e3)
+            med = {k: statistics.median(v) for k, v in ms.items()}
+            out[f"B={b} T={T}"] = {"on": round(med["on"], 2), "off": round(med["off"], 2),
+                                   "on/off": round(med["on"] / med["off"], 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from workers.engine import DEMO_TARGET
     from workers.target_model import DTYPES
@@ -162,17 +196,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
     ap.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
     ap.add_argument("--thread-table", action="store_true", help="also time the default forward at 1 vs --threads threads")
+    ap.add_argument("--wide-table", action="store_true", help="only time the default forward with wide fp32 matmuls on vs off")
+    ap.add_argument("--out", help="also write the report (JSON) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     report = {"threads": args.threads, "dtype": args.dtype}
+    if args.wide_table:
+        report["wide_ms"] = wide_table(args.target, dtype, args.context, args.iters, args.rounds)
+        return _emit(report, args.out)
     if args.linears:
         report["linear_us"] = linear_table(dtype, iters=10)
     report |= forward_table(args.target, dtype, args.context, args.iters, args.compile,
                             THRESHOLDS if args.thresholds else (), args.rounds)
     if args.thread_table:
         report["thread_table_ms"] = thread_table(args.target, dtype, args.context, args.iters, args.threads, args.rounds)
+    _emit(report, args.out)
+
+
+def _emit(report: dict, out: str | None) -> None:
     print(json.dumps(report, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
