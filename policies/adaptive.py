@@ -99,7 +99,9 @@ class AdaptivePolicy(Policy):
         # not, per batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
         self._batch = 1  # rows of the latest step observed
-        self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged) of this step's choice
+        self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
+        # per (plan | wide, batch bucket): [steps, Σ predicted ms, Σ measured ms] of suffix choices
+        self.suffix_calibration: dict[tuple[str, int], list[float]] = {}
         grid = sorted({int(s) for s in steps_grid})
         if not grid or grid[0] < 1:
             raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
@@ -176,6 +178,10 @@ class AdaptivePolicy(Policy):
     def stats(self) -> dict:
         out = super().stats()
         out["held_share"] = self.held_steps / max(self.steps_decided, 1)
+        # what each suffix choice predicted its step would take against what it took, per kind
+        # (plan: no widening; wide: widened by suffix drafts) and batch bucket
+        out["suffix_calibration"] = {f"{k}@{b}": {"steps": int(n), "predicted_ms": round(p / n, 2), "measured_ms": round(m / n, 2)}
+                                     for (k, b), (n, p, m) in sorted(self.suffix_calibration.items()) if n}
         return out
 
     def _steps(self, rows, ctx):
@@ -264,9 +270,9 @@ class AdaptivePolicy(Policy):
         # widening must be predicted `suffix_margin` better than the plan (the prediction is noisy)
         if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
-            self._suffix_pred = (float(raw[0]), False, float(fixed[0]))
+            self._suffix_pred = (float(raw[0]), False, float(fixed[0]), float(ms[0]))
             return steps
-        self._suffix_pred = (float(raw[best]), bool(wide[best]), float(fixed[best]))
+        self._suffix_pred = (float(raw[best]), bool(wide[best]), float(fixed[best]), float(ms[best]))
         take = (gain[:, best] > 0) & (n > 0)
         self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
         return torch.where(take, SUFFIX, steps)
@@ -317,12 +323,14 @@ class AdaptivePolicy(Policy):
             r, prev = measured - predicted, self.step_residual.get(key)
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
-            chosen_ms, wide, fixed_ms = self._suffix_pred
+            chosen_ms, wide, fixed_ms, predicted_ms = self._suffix_pred
             self._suffix_pred = None
             if chosen_ms > 0 and measured > 0:
+                key = "wide" if wide else "plan"
+                cal = self.suffix_calibration.setdefault((key, batch_bucket(self._batch)), [0, 0.0, 0.0])
+                cal[0], cal[1], cal[2] = cal[0] + 1, cal[1] + predicted_ms, cal[2] + measured
                 # the ratio corrects what the fixed drafting cost, charged separately, does not
                 # explain (else that cost is counted twice: once scaled into the ratio, once added)
-                key = "wide" if wide else "plan"
                 r = min(max((measured - fixed_ms) / chosen_ms, 0.25), 4.0)
                 self.suffix_cost_ratio[key] = 0.8 * self.suffix_cost_ratio[key] + 0.2 * r
 

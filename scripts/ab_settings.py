@@ -8,8 +8,10 @@ a rotated order; a row is its median-goodput round. Example (the stop-17 decisio
         --policy-file results/policies-demo-mixed-overhead/policy.json \
         --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
 
-Goodput, SLA attainment, decision ms per step, held share (adaptive) and draft sources are
-written as JSON, one row per (load, policy).
+Goodput, SLA attainment, decision ms per step, held share (adaptive), draft sources and (adaptive)
+the suffix calibration (mean predicted against measured step ms of its suffix choices, per kind,
+`plan` or `wide`, and batch bucket; `AdaptivePolicy.stats`) are written as JSON, one row per
+(load, policy).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
                 policy = make(n)
                 run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
                 m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
-                m["held_share"] = policy.stats().get("held_share") if hasattr(policy, "stats") else None
+                st = policy.stats() if hasattr(policy, "stats") else {}
+                m["held_share"], m["suffix_calibration"] = st.get("held_share"), st.get("suffix_calibration")
                 runs[n].append(m)
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
                          "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
                          "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),
                          "decision_ms_per_step": round(m.get("decision_ms_per_step", float("nan")), 3),
-                         "held_share": m["held_share"], "source_share": m.get("source_share")})
+                         "held_share": m["held_share"], "source_share": m.get("source_share"),
+                         "suffix_calibration": m["suffix_calibration"]})
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -194,3 +194,24 @@ def test_wide_shadow_follows_reloads(monkeypatch):
     sa.load_state_dict(new)
     torch.testing.assert_close(sa(x), F.linear(x.float(), new["weight"].float(), new["bias"].float()).to(torch.bfloat16),
                                atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("wide_rows", [None, 3])
+def test_wide_rows_reach_every_linear_and_survive_casts(tmp_path, wide_rows):
+    """`load_target(wide_rows=...)` (the engine's `wide_fp32`) reaches plain and fused linears, also
+    after `.to()` rebuilds the fused ones; the LM head's draft-vocabulary rows inherit it."""
+    from workers.drafter import _rows_of
+
+    path = make_tiny_target(tmp_path / "t", family="llama", vocab=64, seed=1)
+    model = load_target(path, dtype=torch.bfloat16, wide_rows=wide_rows)
+
+    def seen():
+        layer = model.model.layers[0]
+        linears = [m for m in model.modules() if isinstance(m, ShapeAwareLinear)]
+        linears += [layer.self_attn.fused("qkv"), layer.mlp.fused("gate_up")]
+        return {m.wide_rows for m in linears}
+
+    assert seen() == {wide_rows}
+    model.to(torch.bfloat16)
+    assert seen() == {wide_rows}
+    assert _rows_of(model.lm_head, torch.arange(8)).wide_rows == wide_rows

@@ -203,6 +203,11 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
         policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
                                          slow * predicted / 1e3, B * (k + 1)))
     assert (policy.choose_steps(rows) == 0).all() and policy.suffix_cost_ratio["wide"] > 1.3
+    # its calibration report: widened steps took far more than first predicted, plain ones as predicted
+    cal = policy.stats()["suffix_calibration"]
+    assert cal["wide@4"]["steps"] >= 1 and cal["wide@4"]["measured_ms"] > 1.3 * cal["wide@4"]["predicted_ms"]
+    if "plan@4" in cal:
+        assert cal["plan@4"]["measured_ms"] == pytest.approx(cal["plan@4"]["predicted_ms"], rel=0.3)
 
 
 def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_packed():
