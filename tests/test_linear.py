@@ -215,3 +215,21 @@ def test_wide_rows_reach_every_linear_and_survive_casts(tmp_path, wide_rows):
     model.to(torch.bfloat16)
     assert seen() == {wide_rows}
     assert _rows_of(model.lm_head, torch.arange(8)).wide_rows == wide_rows
+
+
+def test_engine_option_wide_fp32_reaches_target_and_drafter():
+    """`EngineConfig.wide_fp32=False` (engine option `wide_fp32`) turns the wide path off in the
+    target's and the drafter's linears alike; serving validates it as a boolean."""
+    from adapt.serving.engine_options import validate_engine_options
+    from workers.engine import Engine, EngineConfig
+
+    for on in (True, False):
+        engine = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64, wide_fp32=on))
+        modules = [*engine.target.modules(), *engine.drafter.modules()]
+        if engine.drafter.draft_head is not None:
+            modules.append(engine.drafter.draft_head)
+        wide = {m.wide_rows for m in modules if isinstance(m, ShapeAwareLinear)}
+        assert wide == ({WIDE_ROWS} if on else {None})
+    assert validate_engine_options({"wide_fp32": False}) == {"wide_fp32": False}
+    with pytest.raises(ValueError, match="wide_fp32"):
+        validate_engine_options({"wide_fp32": "yes"})
