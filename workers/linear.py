@@ -13,13 +13,14 @@ Words used here:
   AMD EPYC before Zen 4) a bf16 matmul is emulated: ~5 GMAC/s on one core against ~45 in fp32,
   so its cost grows with every row, while fp32's stays near the time to read the weight.
 - **wide matmul**: one with at least `WIDE_ROWS` rows (tokens in the forward: a prefill chunk,
-  a verify block, a batch of 4+ decoding rows).
+  a verify block, a batch of 10+ decoding rows).
 - **shape-aware linear**: per call, matmuls of at most `SMALL_MATMUL_MACS` MACs use the shadow
   (input cast to fp32, output cast back to the input dtype), larger ones the packed weight. Only
   layers whose one-row matmul is within the threshold get a shadow, so for big models only the
   small projections do. Where the CPU has no native low precision, wide matmuls use an fp32
   shadow too (every layer may get one then, built at its first wide call: the fp32 copy doubles
-  the weights' memory; 4–6x faster at 8–64 rows, measured in docs/engine.md, "Speed"). The
+  the weights' memory; a SmolLM2 forward 1.5x faster at 16 tokens, 4x for a 256-token prefill,
+  docs/engine.md, "Wide fp32 matmuls"). The
   copies are built on first use (parts of a fused projection never are). Off the CPU, or for
   fp32 weights, it is exactly `nn.Linear`.
 - **fused projection**: several linears that read the same input (q/k/v, gate/up) computed as one
