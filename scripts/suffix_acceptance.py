@@ -3,7 +3,9 @@
 Serves one workload live with static suffix drafting (`suffix`) at one load, and from the trace
 computes, per match-length bucket of `adapt/suffix_fit.py`, the maximum-likelihood per-token
 acceptance `c = Σ accepted / (Σ accepted + Σ rejections)` of the suffix drafts verified, next to
-the `suffix_accept` table the adaptive policy plans with. Example (stop 18):
+the `suffix_accept` table the adaptive policy plans with, and the two halves of that estimate:
+`c_first` (the first drafted token's acceptance) and `c_later` (each later token's, given the
+ones before it were accepted). Example (stop 18):
 
     python scripts/suffix_acceptance.py --pair smollm2 --workload chat --load 4 --requests 16
 """
@@ -47,19 +49,30 @@ def main(argv=None) -> int:
     policy_file = Path(args.policy_file) if args.policy_file else root / "models" / args.pair / "policy.json"
     table = json.loads(policy_file.read_text())["settings"]["suffix_accept"]
     edges = table["match"]
-    counts = defaultdict(lambda: [0, 0, 0])  # bucket -> [accepted, rejections, drafts]
+    # bucket -> [accepted, rejections, drafts, first token accepted, accepted after the first,
+    #            rejections after the first, drafted tokens]
+    counts = defaultdict(lambda: [0] * 7)
     for r in sink.records:
         if r.get("source") != "suffix" or r["draft_len"] <= 0:
             continue
         bucket = max([e for e in edges if e <= (r.get("suffix_match") or 0)] or [edges[0]])
-        counts[bucket][0] += r["accepted"]
-        counts[bucket][1] += int(r["accepted"] < r["draft_len"])
-        counts[bucket][2] += 1
+        a, k, c = r["accepted"], r["draft_len"], counts[bucket]
+        c[0] += a
+        c[1] += int(a < k)
+        c[2] += 1
+        c[3] += int(a >= 1)
+        if a >= 1 and k >= 2:  # the later positions, given the first was accepted
+            c[4] += a - 1
+            c[5] += int(a < k)
+        c[6] += k
     rows = []
     for b in sorted(counts):
-        a, rej, n = counts[b]
+        a, rej, n, first, later, rej_later, drafted = counts[b]
         rows.append({"match_from": b, "drafts": n, "accepted": a, "rejections": rej,
-                     "c": round(a / max(a + rej, 1), 3), "table": table["accept"][edges.index(b)]})
+                     "c": round(a / max(a + rej, 1), 3), "table": table["accept"][edges.index(b)],
+                     # a geometric law has c_first = c_later; copies that run on have c_later > c_first
+                     "c_first": round(first / max(n, 1), 3), "c_later": round(later / max(later + rej_later, 1), 3),
+                     "mean_draft_len": round(drafted / max(n, 1), 2)})
         print(json.dumps(rows[-1]))
     return 0
 
