@@ -68,9 +68,9 @@ class EngineConfig:
     oneDNN weights, the smallest through fp32 copies (workers/linear.py; ignored on GPUs and in
     fp32; False = plain `F.linear`); wide_fp32: with shape-aware linears, on a CPU without native
     bf16/fp16 matmuls (AVX2 only), run matmuls of `WIDE_ROWS` or more tokens (prefill, wide
-    verifies, batches of 10+) through fp32 copies of the weights, ~5x faster for prefill at the
-    price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere); compile: "on" | "off" | "auto" (on for CPU devices), or a
-    bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
+    verifies, batches of 10+) through fp32 copies of the weights, ~4x faster for prefill at the
+    price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere);
+    compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
     (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
     compile on the spot); suffix: keep a suffix drafter (workers/suffix.py) so that rows may
     draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`);

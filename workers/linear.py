@@ -102,20 +102,18 @@ class ShapeAwareLinear(nn.Linear):
         self.__dict__.pop("_fp32", None)
 
     def _derive(self) -> tuple:
-        """(fp32 weight, fp32 bias, packed weight, wide), each None (False) where it does not
-        apply; ``wide``: wide matmuls take the fp32 shadow (built by `_shadow` at the first)."""
+        """(small, packed weight, wide): whether matmuls within `threshold` MACs take the fp32
+        shadow; the packed weight or None; whether wide matmuls take the fp32 shadow."""
         w = self.weight.detach()
-        w32 = b32 = packed = None
-        if wants_shadow(w, self.threshold):
-            w32, b32 = self._shadow()
-        if can_pack(w):
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # layout tuned for few rows
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if can_pack(w) else None  # layout tuned for few rows
+        small = wants_shadow(w, self.threshold)
         wide = self.wide_rows is not None and wants_wide_shadow(w)
-        self.__dict__["_derived"] = (w32, b32, packed, wide)
+        self.__dict__["_derived"] = (small, packed, wide)
         return self.__dict__["_derived"]
 
     def _shadow(self) -> tuple:
-        """The fp32 copies of the weight and bias (built once, until `refresh`)."""
+        """The fp32 copies of the weight and bias (built at the first call that needs them, kept
+        until `refresh`)."""
         if "_fp32" not in self.__dict__:
             b32 = None if self.bias is None else self.bias.detach().float()
             self.__dict__["_fp32"] = (self.weight.detach().float(), b32)
@@ -124,10 +122,9 @@ class ShapeAwareLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled program packs its own weights (workers/compiled.py)
             return F.linear(x, self.weight, self.bias)
-        w32, b32, packed, wide = self.__dict__.get("_derived") or self._derive()
-        if w32 is not None and x.numel() * self.out_features <= self.threshold:  # numel = rows × in
-            return F.linear(x.float(), w32, b32).to(x.dtype)
-        if wide and x.numel() >= self.wide_rows * self.in_features:  # a wide matmul, no native bf16
+        small, packed, wide = self.__dict__.get("_derived") or self._derive()
+        if ((small and x.numel() * self.out_features <= self.threshold)  # numel = rows × in
+                or (wide and x.numel() >= self.wide_rows * self.in_features)):  # a wide matmul, no native bf16
             w32, b32 = self._shadow()
             return F.linear(x.float(), w32, b32).to(x.dtype)
         if packed is not None and x.dtype == self.weight.dtype:
