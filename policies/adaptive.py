@@ -32,13 +32,16 @@ positions ``≤ j`` (non-anticipating).
 Suffix drafts (every step, over the plan): rows may take their suffix draft (workers/suffix.py:
 tokens copied from text they have seen, free to make). With ``c`` the per-token acceptance of a
 suffix draft of its match length (`suffix_accept`: a table fitted on traces, adapt/suffix_fit.py;
-``m / (m + 3)`` without one), verifying its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens. The
-target verifies the batch padded to its longest row, so the policy picks one cap ``k_c`` for the
-batch: every row whose suffix draft beats its plan fills up to ``k_c`` slots, and ``k_c``
-maximises the batch's weighted tokens per ms under the cost model (slots within the plan's own
-padding are free; ``k_c = 0`` keeps the plan). On a GPU, where slots are nearly free, long caps
-win; on a CPU, only batches with long, confident matches pay, and at larger batches every extra
-slot costs a full row each, so the cap shrinks to 0.
+``m / (m + 3)`` without one), verifying its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens.
+Where the target verifies the batch padded to its longest row (GPU), the policy picks one cap
+``k_c`` for the batch: every row whose suffix draft beats its plan fills up to ``k_c`` slots
+(slots within the plan's own padding are free). Where it verifies each row's own positions
+(packed, CPU), every row gets its own length: the slots of all rows are ranked by their worth
+``w_r · c_r^j`` and the batch takes the best ``m`` of them, so a long confident copy drafts many
+tokens while a weak match in the same step drafts few or none. Either way the choice maximises the
+batch's weighted tokens per ms under the cost model (taking nothing keeps the plan). On a GPU,
+where slots are nearly free, long caps win; on a CPU each slot costs compute, and only slots
+worth more than what they cost are taken.
 
 Decision cadence (``hold_max``, ``hold_share``): deciding costs host time every step (the plan,
 the suffix choice, and the engine's suffix proposals for every row), which on a small target is
@@ -220,14 +223,14 @@ class AdaptivePolicy(Policy):
         for rows without one); toks [B]: the plan's verified positions per row. Sets
         ``_suffix_k`` [B].
 
-        The choice is one cap ``k_c`` for the batch: every row with a suffix draft fills up to
-        ``k_c`` slots. A padded engine verifies the batch padded to its longest row
-        (``B · (k_max + 1)`` positions); a packed one (``rows.packed_verify``) each row's own
-        positions, so there the cap costs only what the rows that take it verify. ``k_c``
-        maximises the batch's weighted tokens per ms
-        ``(E_plan + Σ_r w_r · max(0, win_r(k_c) − extra_r)) / step_ms(B · (max(k_c, k_plan) + 1))``
-        (slots up to the plan's own padding are free; a diffusion row that switches no longer pays
-        its drafter passes)."""
+        Candidates are draft lengths for every row at once (`suffix_candidates`): one cap for
+        the batch where the engine pads rows to the longest (``B · (k_max + 1)`` positions), and
+        on a packed engine (``rows.packed_verify``: each row costs its own positions) the
+        prefixes of all rows' suffix slots ranked by marginal gain ``w_r · c_r^j``, so a long
+        confident copy takes many slots while a weak match takes few or none. The candidate
+        that maximises the batch's weighted tokens per ms
+        ``(E_plan + Σ_r w_r · max(0, win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
+        diffusion row that switches no longer pays its drafter passes)."""
         from workers.decisions import SUFFIX
 
         B = len(rows.request_ids)
@@ -235,47 +238,43 @@ class AdaptivePolicy(Policy):
         Ks = int(n.max())
         c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())              # [B]
         j = torch.arange(1, Ks + 1, dtype=torch.float32)                               # [Ks]
-        win = ((c[:, None] ** j[None]) * (j[None] <= n[:, None])).cumsum(1)            # [B, Ks] Σ_{j≤k} c^j
-        win = torch.cat([torch.zeros(B, 1), win], 1)                                   # [B, Ks + 1], k_c = 0..Ks
         w = self.weights(ctx).cpu()                                                    # [B]
-        gain = w[:, None] * (win - extra.clamp(min=0)[:, None]).clamp(min=0)           # [B, Ks + 1]
-        # per cap: diffusion rows whose suffix draft wins switch, and stop paying for drafter passes
-        # (all caps at once: one cost-model call for the Ks + 1 candidate batches)
+        slot = (c[:, None] ** j[None]) * (j[None] <= n[:, None])                       # [B, Ks] c^j, 0 past the draft
+        win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] Σ_{j≤k} c^j
+        packed = bool(getattr(rows, "packed_verify", False))
+        k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
+        gain = w[:, None] * (win.gather(1, k) - extra.clamp(min=0)[:, None]).clamp(min=0)  # [B, C]
+        take = gain > 0                                                                # [B, C] takes its suffix draft
         diffusing = steps > 0
-        k_plan = int(toks.max()) - 1 if B else 0
-        caps = torch.arange(Ks + 1)                                                    # [Ks + 1]
-        stay = diffusing[:, None] & ~(gain > 0)                                        # [B, Ks + 1] keeps its diffusion draft
-        if getattr(rows, "packed_verify", False):  # each row costs its own positions
-            take = (gain > 0) & (n > 0)[:, None]                                       # [B, Ks + 1]
-            own = torch.where(take, 1 + torch.minimum(n[:, None], caps[None]),
-                              torch.where(stay, toks[:, None].long(), 1))              # [B, Ks + 1]
-            verified = own.sum(0)                                                      # [Ks + 1] positions
+        stay = diffusing[:, None] & ~take                                              # [B, C] keeps its diffusion draft
+        if packed:  # each row costs its own positions
+            own = torch.where(take, 1 + k, torch.where(stay, toks[:, None].long(), 1))  # [B, C]
+            verified = own.sum(0)                                                      # [C] positions
         else:  # rows padded to the longest
-            k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0)                 # [Ks + 1]
-            verified = B * (torch.maximum(caps, k_stay.long()) + 1)                    # [Ks + 1] positions
+            k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0).long()          # [C]
+            verified = B * (torch.maximum((k * take).amax(0), k_stay) + 1)             # [C] positions
         top = int(steps.max()) if bool(diffusing.any()) else 0
         passes = torch.arange(1, top + 1)                                              # [top]
-        rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [Ks + 1, top] rows per pass
-        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [Ks + 1]
-        wide = caps > k_plan
+        rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [C, top] rows per pass
+        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [C]
+        wide = verified > verified[0]
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
-        fixed = torch.zeros_like(ms)                                                   # [Ks + 1] drafting path's fixed ms
-        if not bool(diffusing.any()):  # the plan drafts nothing: widening takes the drafting path
-            fixed[1:] = self.draft_overhead_at(B)
+        fixed = torch.zeros_like(ms)                                                   # [C] drafting path's fixed ms
+        if not bool(diffusing.any()):  # the plan drafts nothing: taking a suffix draft takes the drafting path
+            fixed = torch.where(take.any(0), self.draft_overhead_at(B), 0.0)
         ms = ms + fixed
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
-        value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # weighted tokens per ms
+        value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         best = int(torch.argmax(value))
-        # widening must be predicted `suffix_margin` better than the plan (the prediction is noisy)
+        # taking drafts must be predicted `suffix_margin` better than the plan (the prediction is noisy)
         if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
             self._suffix_pred = (float(raw[0]), False, float(fixed[0]), float(ms[0]))
             return steps
         self._suffix_pred = (float(raw[best]), bool(wide[best]), float(fixed[best]), float(ms[best]))
-        take = (gain[:, best] > 0) & (n > 0)
-        self._suffix_k = torch.where(take, torch.minimum(n, torch.tensor(best)), 0).to(torch.int64)
-        return torch.where(take, SUFFIX, steps)
+        self._suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
+        return torch.where(take[:, best], SUFFIX, steps)
 
     def draft_overhead_at(self, batch: int) -> float:
         """The fixed extra ms of a step of `batch` rows that verifies drafts over one that does
@@ -478,6 +477,25 @@ def batch_bucket(batch: int) -> int:
 def verified_drafts(outcome) -> bool:
     """Whether some row verified drafts in the step of `outcome` (it took the drafting path)."""
     return bool((torch.as_tensor(outcome.verified) > 0).any())
+
+
+def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:
+    """[B, C] suffix draft lengths per row for each candidate choice (column 0: none).
+
+    n [B]: each row's suffix draft length; marginal [B, Ks]: what each slot of it is worth
+    (``w_r · c_r^j``, non-increasing along a row, 0 past the draft). Padded (every row costs the
+    longest row's positions): one cap ``k_c`` = 0..Ks for the batch, each row filling
+    ``min(n_r, k_c)``. Packed (each row costs its own positions): the slots of all rows ranked
+    by worth, candidate ``m`` taking the ``m`` best (within a row always a prefix)."""
+    B, Ks = marginal.shape
+    if not packed:
+        return torch.minimum(n[:, None], torch.arange(Ks + 1)[None]).long()           # [B, Ks + 1]
+    live = marginal > 0                                                               # [B, Ks]
+    order = torch.argsort(torch.where(live, marginal, -1.0).flatten(), descending=True, stable=True)
+    order = order[: int(live.sum())]                                                  # [M] best slots first
+    pick = torch.zeros(B, order.numel() + 1, dtype=torch.int64)                       # [B, M + 1]
+    pick[order // Ks, torch.arange(1, order.numel() + 1)] = 1
+    return pick.cumsum(1)                                                             # [B, M + 1]
 
 
 def check_suffix_accept(table: dict | None) -> dict | None:

@@ -237,6 +237,42 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
     assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed._suffix_k[0]) >= 4
 
 
+def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
+    """Packed, two rows in one step: a long confident copy (match 32) takes most of its slots
+    while a weak match (match 2, c = 0.4) takes none, where every verified position costs 2 ms.
+    Padded to the longest row, the same step gives both rows one cap."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy, suffix_candidates
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    B = 2
+    rows = RowState(request_ids=["strong", "weak"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([8, 2]),
+                    suffix_score=torch.tensor([7.0, 0.6]), suffix_match=torch.tensor([32, 2]))
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
+    steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
+    assert steps.tolist() == [SUFFIX, 0]
+    assert int(packed._suffix_k[0]) >= 5 and int(packed._suffix_k[1]) == 0
+    padded = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
+    padded.choose_steps(rows)
+    k = padded._suffix_k.tolist()
+    assert k[1] == min(2, k[0])  # one cap for both rows
+
+    # the packed candidates: column m takes the m most valuable slots, a prefix of every row
+    marginal = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.85, 0.5, 0.0, 0.0]])
+    cand = suffix_candidates(torch.tensor([3, 2]), marginal, packed=True)
+    assert cand.tolist() == [[0, 1, 1, 2, 2, 3], [0, 0, 1, 1, 2, 2]]
+    assert suffix_candidates(torch.tensor([3, 2]), marginal, packed=False).tolist() == [[0, 1, 2, 3, 3],
+                                                                                         [0, 1, 2, 2, 2]]
+
+
 def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     """A widened step that took exactly what the policy charged (its table's time plus the
     learned fixed cost of the drafting path) leaves the suffix cost ratio at 1: the ratio
