@@ -58,11 +58,13 @@ class DSparkSettings(_Settings):
 
 
 class SuffixAcceptTable(BaseModel):
-    """Per-token acceptance of suffix drafts by match length (policies.adaptive.check_suffix_accept)."""
+    """Acceptance of suffix drafts by match length: each later token's (`accept`) and, optionally,
+    the first token's (`first`) (policies.adaptive.check_suffix_accept)."""
 
     model_config = ConfigDict(extra="forbid")
     match: list[int]
     accept: list[float]
+    first: list[float] | None = None
 
 
 class AdaptiveSettings(_Settings):

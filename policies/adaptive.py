@@ -30,14 +30,15 @@ denoising) are decided by a per-row threshold instead: position ``j`` is verifie
 positions ``≤ j`` (non-anticipating).
 
 Suffix drafts (every step, over the plan): rows may take their suffix draft (workers/suffix.py:
-tokens copied from text they have seen, free to make). With ``c`` the per-token acceptance of a
-suffix draft of its match length (`suffix_accept`: a table fitted on traces, adapt/suffix_fit.py;
-``m / (m + 3)`` without one), verifying its first ``k`` tokens wins ``Σ_{j≤k} c^j`` tokens.
+tokens copied from text they have seen, free to make). With ``c₁`` the acceptance of its first
+token and ``c`` of each later one, by its match length (`suffix_accept`: a table fitted on traces,
+adapt/suffix_fit.py; ``m / (m + 3)`` for both without one), slot ``j`` of the draft is accepted
+with probability ``a_j = c₁ · c^(j−1)`` and verifying its first ``k`` tokens wins ``Σ_{j≤k} a_j``.
 Where the target verifies the batch padded to its longest row (GPU), the policy picks one cap
 ``k_c`` for the batch: every row whose suffix draft beats its plan fills up to ``k_c`` slots
 (slots within the plan's own padding are free). Where it verifies each row's own positions
 (packed, CPU), every row gets its own length: the slots of all rows are ranked by their worth
-``w_r · c_r^j`` and the batch takes the best ``m`` of them, so a long confident copy drafts many
+``w_r · a_{r,j}`` and the batch takes the best ``m`` of them, so a long confident copy drafts many
 tokens while a weak match in the same step drafts few or none. Either way the choice maximises the
 batch's weighted tokens per ms under the cost model (taking nothing keeps the plan). On a GPU,
 where slots are nearly free, long caps win; on a CPU each slot costs compute, and only slots
@@ -226,7 +227,7 @@ class AdaptivePolicy(Policy):
         Candidates are draft lengths for every row at once (`suffix_candidates`): one cap for
         the batch where the engine pads rows to the longest (``B · (k_max + 1)`` positions), and
         on a packed engine (``rows.packed_verify``: each row costs its own positions) the
-        prefixes of all rows' suffix slots ranked by marginal gain ``w_r · c_r^j``, so a long
+        prefixes of all rows' suffix slots ranked by marginal gain ``w_r · a_{r,j}``, so a long
         confident copy takes many slots while a weak match takes few or none. The candidate
         that maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_r w_r · max(0, win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
@@ -236,11 +237,11 @@ class AdaptivePolicy(Policy):
         B = len(rows.request_ids)
         n = rows.suffix_len.cpu()                                                      # [B]
         Ks = int(n.max())
-        c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())              # [B]
-        j = torch.arange(1, Ks + 1, dtype=torch.float32)                               # [Ks]
+        c1, c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())          # [B], [B]
+        j = torch.arange(Ks, dtype=torch.float32)                                      # [Ks] j − 1
         w = self.weights(ctx).cpu()                                                    # [B]
-        slot = (c[:, None] ** j[None]) * (j[None] <= n[:, None])                       # [B, Ks] c^j, 0 past the draft
-        win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] Σ_{j≤k} c^j
+        slot = c1[:, None] * c[:, None] ** j[None] * (j[None] < n[:, None])            # [B, Ks] c₁·c^(j−1), 0 past the draft
+        win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
         gain = w[:, None] * (win.gather(1, k) - extra.clamp(min=0)[:, None]).clamp(min=0)  # [B, C]
@@ -483,7 +484,7 @@ def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> 
     """[B, C] suffix draft lengths per row for each candidate choice (column 0: none).
 
     n [B]: each row's suffix draft length; marginal [B, Ks]: what each slot of it is worth
-    (``w_r · c_r^j``, non-increasing along a row, 0 past the draft). Padded (every row costs the
+    (``w_r · a_{r,j}``, non-increasing along a row, 0 past the draft). Padded (every row costs the
     longest row's positions): one cap ``k_c`` = 0..Ks for the batch, each row filling
     ``min(n_r, k_c)``. Packed (each row costs its own positions): the slots of all rows ranked
     by worth, candidate ``m`` taking the ``m`` best (within a row always a prefix)."""
@@ -499,24 +500,34 @@ def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> 
 
 
 def check_suffix_accept(table: dict | None) -> dict | None:
-    """A fitted suffix acceptance table ``{"match": [m_0 < m_1 < ...], "accept": [c_0, c_1, ...]}``
-    (c_i: per-token acceptance of suffix drafts whose match length is >= m_i and < m_{i+1}),
-    checked; None = the built-in ``m / (m + 3)``."""
+    """A fitted suffix acceptance table ``{"match": [m_0 < m_1 < ...], "accept": [c_0, c_1, ...],
+    "first": [c₁_0, c₁_1, ...]}`` checked (for match lengths >= m_i and < m_{i+1}: c₁_i the first
+    drafted token's acceptance, c_i each later token's given the ones before it; without
+    "first", c_i for every token: a geometric law); None = the built-in ``m / (m + 3)``."""
     if table is None:
         return None
-    match, accept = table.get("match"), table.get("accept")
+    match, accept, first = table.get("match"), table.get("accept"), table.get("first")
     if not (isinstance(match, list) and isinstance(accept, list) and match and len(match) == len(accept)):
         raise ValueError("suffix_accept: expected {'match': [...], 'accept': [...]} of equal, non-zero length")
-    if any(b <= a for a, b in zip(match, match[1:])) or not all(0.0 <= c <= 1.0 for c in accept):
-        raise ValueError("suffix_accept: match must increase and accept lie in [0, 1]")
-    return {"match": [int(m) for m in match], "accept": [float(c) for c in accept]}
+    if first is not None and not (isinstance(first, list) and len(first) == len(match)):
+        raise ValueError("suffix_accept: 'first' must be a list as long as 'match'")
+    if any(b <= a for a, b in zip(match, match[1:])) or not all(0.0 <= c <= 1.0 for c in accept + (first or [])):
+        raise ValueError("suffix_accept: match must increase and accept (first) lie in [0, 1]")
+    out = {"match": [int(m) for m in match], "accept": [float(c) for c in accept]}
+    if first is not None:
+        out["first"] = [float(c) for c in first]
+    return out
 
 
-def suffix_accept_of(table: dict | None, match: torch.Tensor) -> torch.Tensor:
-    """[B] per-token acceptance of suffix drafts with match lengths ``match`` [B]."""
+def suffix_accept_of(table: dict | None, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] first drafted token's acceptance, [B] each later token's) of suffix drafts with match
+    lengths ``match`` [B]: slot ``j`` of a draft is accepted with probability ``c₁ · c^(j−1)``."""
     m = match.float()
     if table is None:
-        return m / (m + 3.0)
+        c = m / (m + 3.0)
+        return c, c
     edges = torch.tensor(table["match"], dtype=torch.float32)
     idx = (torch.bucketize(m, edges, right=True) - 1).clamp(min=0)
-    return torch.tensor(table["accept"], dtype=torch.float32)[idx]
+    later = torch.tensor(table["accept"], dtype=torch.float32)[idx]
+    first = torch.tensor(table["first"], dtype=torch.float32)[idx] if "first" in table else later
+    return first, later

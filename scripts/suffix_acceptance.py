@@ -3,9 +3,10 @@
 Serves one workload live with static suffix drafting (`suffix`) at one load, and from the trace
 computes, per match-length bucket of `adapt/suffix_fit.py`, the maximum-likelihood per-token
 acceptance `c = Σ accepted / (Σ accepted + Σ rejections)` of the suffix drafts verified, next to
-the `suffix_accept` table the adaptive policy plans with, and the two halves of that estimate:
-`c_first` (the first drafted token's acceptance) and `c_later` (each later token's, given the
-ones before it were accepted). Example (stop 18):
+the `suffix_accept` table the adaptive policy plans with (`table`: each later token's;
+`table_first`: the first token's), and the two halves of that estimate: `c_first` (the first
+drafted token's acceptance) and `c_later` (each later token's, given the ones before it were
+accepted). Example (stop 18):
 
     python scripts/suffix_acceptance.py --pair smollm2 --workload chat --load 4 --requests 16
 """
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
         a, rej, n, first, later, rej_later, drafted = counts[b]
         rows.append({"match_from": b, "drafts": n, "accepted": a, "rejections": rej,
                      "c": round(a / max(a + rej, 1), 3), "table": table["accept"][edges.index(b)],
+                     "table_first": (table.get("first") or table["accept"])[edges.index(b)],
                      # a geometric law has c_first = c_later; copies that run on have c_later > c_first
                      "c_first": round(first / max(n, 1), 3), "c_later": round(later / max(later + rej_later, 1), 3),
                      "mean_draft_len": round(drafted / max(n, 1), 2)})

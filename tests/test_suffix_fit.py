@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from adapt.suffix_fit import EDGES, fit_suffix_accept
 from adapt.trace_data import TraceTable
 
 
-def suffix_records(rng, n, match, c, k=8, start=0):
-    """n suffix-draft records of match length `match` whose tokens are accepted w.p. c each."""
+def suffix_records(rng, n, match, c, k=8, start=0, first=None):
+    """n suffix-draft records of match length `match` whose first token is accepted w.p. `first`
+    (default c) and each later one w.p. c."""
     out = []
     for i in range(n):
         a = 0
-        while a < k and rng.random() < c:
+        while a < k and rng.random() < (c if a or first is None else first):
             a += 1
         out.append({"request_id": f"s{start + i}", "step": start + i, "steps": -1, "draft_len": k, "rule": 0,
                     "temperature": 0.0, "accepted": a, "accept_flags": [1] * a + [0] * (k - a),
@@ -23,13 +25,39 @@ def suffix_records(rng, n, match, c, k=8, start=0):
 
 def test_fit_recovers_per_token_acceptance_by_match_length():
     rng = np.random.default_rng(0)
-    records = suffix_records(rng, 400, 2, 0.3) + suffix_records(rng, 400, 9, 0.8, start=400)
+    records = suffix_records(rng, 1500, 2, 0.3) + suffix_records(rng, 400, 9, 0.8, start=1500)
     table, report = fit_suffix_accept(TraceTable.from_records(records))
     c = dict(zip(table["match"], table["accept"]))
     assert abs(c[2] - 0.3) < 0.05 and abs(c[8] - 0.8) < 0.05
     assert all(b >= a for a, b in zip(table["accept"], table["accept"][1:]))  # non-decreasing in m
     fitted = {b["match"] for b in report["buckets"] if b["fitted"]}
-    assert fitted == {2, 8} and report["records"] == 800
+    assert fitted == {2, 8} and report["records"] == 1900
+
+
+def test_fit_separates_the_first_tokens_acceptance_from_the_later_ones():
+    """Copies that run on (first token 0.5, later ones 0.9) fit as c₁ = 0.5, c = 0.9; a geometric
+    law fits c₁ = c; the policy reads both and a draft's expected accepted tokens follow."""
+    import torch
+
+    from policies.adaptive import check_suffix_accept, suffix_accept_of
+
+    rng = np.random.default_rng(2)
+    records = suffix_records(rng, 600, 2, 0.9, first=0.5) + suffix_records(rng, 600, 3, 0.95, start=600)
+    table, report = fit_suffix_accept(TraceTable.from_records(records))
+    first, later = dict(zip(table["match"], table["first"])), dict(zip(table["match"], table["accept"]))
+    assert abs(first[2] - 0.5) < 0.05 and abs(later[2] - 0.9) < 0.03
+    assert abs(first[3] - 0.95) < 0.03 and abs(later[3] - 0.95) < 0.03
+    pooled = {b["match"]: b["pooled"] for b in report["buckets"]}
+    assert pooled[2] < later[2] - 0.1  # one geometric c would underrate the run-on copy
+    c1, c = suffix_accept_of(check_suffix_accept(table), torch.tensor([2, 3, 40]))
+    assert c1.tolist() == pytest.approx([first[2], first[3], table["first"][-1]])
+    assert c.tolist() == pytest.approx([later[2], later[3], table["accept"][-1]])
+    # a table without "first" is one geometric law
+    old = check_suffix_accept({"match": table["match"], "accept": table["accept"]})
+    c1, c = suffix_accept_of(old, torch.tensor([2]))
+    assert float(c1) == float(c) == pytest.approx(later[2])
+    with pytest.raises(ValueError, match="first"):
+        check_suffix_accept({"match": [2, 4], "accept": [0.5, 0.6], "first": [0.5]})
 
 
 def test_no_suffix_records_no_table():
