@@ -75,7 +75,7 @@ class AdaptivePolicy(Policy):
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
-                 use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.05,
+                 use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(hold_max, int) or hold_max < 0:
@@ -268,7 +268,9 @@ class AdaptivePolicy(Policy):
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         best = int(torch.argmax(value))
-        # taking drafts must be predicted `suffix_margin` better than the plan (the prediction is noisy)
+        # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
+        # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
+        # mixed at 1 request without it, against 0.99x with 5 %)
         if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
             self._suffix_pred = (float(raw[0]), False, float(fixed[0]), float(ms[0]))

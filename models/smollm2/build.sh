@@ -37,6 +37,6 @@ $PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/dr
 $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out models/smollm2/heldout_prompts.jsonl
 $PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies-smollm2 --seed 0
 cp results/policies-smollm2/policy.json models/smollm2/policy.json
-$PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 16 --max-tokens 96 --threads 2
+$PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 24 --max-tokens 96 --threads 2
 rm -rf models/smollm2/drafter/checkpoint
 $PY -m workers.training.manifest --root models/smollm2 --build models/smollm2/build.sh
