@@ -82,6 +82,7 @@ class AdaptiveSettings(_Settings):
     suffix_accept: SuffixAcceptTable = Field(default=None)
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
+    sla_guard: bool = Field(default=None)
 
 
 class ExploreSettings(_Settings):

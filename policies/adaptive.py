@@ -76,8 +76,9 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
-                 hold_max: int = 8, hold_share: float = 0.05, **kwargs):
+                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.sla_guard = bool(sla_guard)
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
         if not 0.0 <= hold_share <= 1.0:
@@ -267,6 +268,9 @@ class AdaptivePolicy(Policy):
         ms = ms + fixed
         planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
+        if self.sla_guard:
+            got = torch.where(take, win.gather(1, k), extra.clamp(min=0).nan_to_num(posinf=0.0)[:, None])  # [B, C]
+            value = torch.where(keeps_targets(ctx, ms, 1.0 + got), value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
         # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
@@ -481,6 +485,17 @@ def verified_drafts(outcome) -> bool:
     """Whether some row verified drafts in the step of `outcome` (it took the drafting path)."""
     return bool((torch.as_tensor(outcome.verified) > 0).any())
 
+
+def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[C] whether candidate step ``c`` (predicted ``ms`` [C], expected tokens per row ``tokens``
+    [B, C], column 0 the plan) keeps every row that meets its TPOT target under the plan within
+    it: a row meets it after a step of ``t`` ms bringing ``e`` tokens when ``elapsed + t ≤ target ·
+    (tokens so far + e)``. Rows without a target, or already behind it under the plan, do not
+    constrain (their weight in the objective does)."""
+    target = ctx["tpot_ms"].cpu()[:, None]                                            # [B, 1] inf = none
+    elapsed, count = ctx["elapsed_ms"].cpu()[:, None], ctx["tokens"].cpu()[:, None]   # [B, 1]
+    meets = elapsed + ms[None, :] <= target * (count + tokens)                        # [B, C]
+    return ~(meets[:, :1] & ~meets).any(0)
 
 def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:
     """[B, C] suffix draft lengths per row for each candidate choice (column 0: none).

@@ -116,7 +116,8 @@ class RequestBook:
                     d.pop(r, None)
 
     def tensors(self, rows, device) -> dict[str, torch.Tensor]:
-        """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle."""
+        """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle,
+        elapsed_ms and tokens (each row's decode time and tokens so far)."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
@@ -124,7 +125,7 @@ class RequestBook:
         lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
                "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
-               "idle": self.idle}
+               "idle": self.idle, "elapsed_ms": self.elapsed, "tokens": self.count}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
         return out

@@ -273,6 +273,46 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                                                                                          [0, 1, 2, 2, 2]]
 
 
+def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
+    """A row meeting a 14.5 ms/token target and a row with a long confident copy, 2 ms per
+    verified position: without the guard the copy takes its whole draft (a 30 ms step would put
+    the first row over its target); with `sla_guard` it takes only what keeps that row within."""
+    import dataclasses
+
+    import torch
+
+    from adapt.targets import RequestTargets
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState, StepOutcome
+
+    B = 2
+    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
+                    targets=[RequestTargets(tpot_ms=14.5), None], position=torch.full((B,), 100),
+                    generated=torch.full((B,), 10), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
+                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
+                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
+                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]))
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    chosen = {}
+    for guard in (False, True):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=guard)
+        for _ in range(10):  # ten plain 14 ms steps: 140 ms for 10 tokens, within 14.5 ms/token
+            policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                                             torch.zeros(B), 0.014, B))
+        steps = policy.choose_steps(rows)
+        assert steps.tolist() == [0, SUFFIX]
+        chosen[guard] = int(policy._suffix_k[1])
+    assert chosen[False] >= 6
+    # with the guard: 140 + 10 + 2·(2 + k) <= 14.5·11 = 159.5, so k <= 2
+    assert 1 <= chosen[True] <= 2
+    # a row without a target never constrains
+    free = dataclasses.replace(rows, targets=[None, None])
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True)
+    policy.choose_steps(free)
+    assert int(policy._suffix_k[1]) == chosen[False]
+
+
 def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     """A widened step that took exactly what the policy charged (its table's time plus the
     learned fixed cost of the drafting path) leaves the suffix cost ratio at 1: the ratio
