@@ -497,6 +497,7 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     meets = elapsed + ms[None, :] <= target * (count + tokens)                        # [B, C]
     return ~(meets[:, :1] & ~meets).any(0)
 
+
 def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:
     """[B, C] suffix draft lengths per row for each candidate choice (column 0: none).
 
