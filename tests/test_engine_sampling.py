@@ -151,9 +151,9 @@ def test_lenient_rule_reports_bounded_tvd(pair):
 def test_packed_verification_changes_no_token(pair):
     """A ragged batch (rows verifying 0, 2, 4 drafts, greedy and sampled, diffusion and suffix
     drafts) gives the same tokens with packed verification forwards (each row's own positions)
-    as with the batch padded to its longest row."""
+    as with the batch padded to its longest row; prompts of unequal lengths are prefilled packed."""
     target, drafter = pair
-    reqs = [(f"r{i}", [1 + i % 5, 2, 3], SamplingParams(max_tokens=24, temperature=(0.0, 1.0, 0.7)[i % 3], seed=11 + i,
+    reqs = [(f"r{i}", [1 + i % 5, 2, 3] + [1 + (3 * i) % 7] * (i % 4), SamplingParams(max_tokens=24, temperature=(0.0, 1.0, 0.7)[i % 3], seed=11 + i,
                                                          ignore_eos=True),
              DecodeKnobs(steps=1 + i % 2, draft_len=(0, 2, 4)[i % 3], source="suffix" if i == 5 else "diffusion"))
             for i in range(6)]
@@ -164,7 +164,7 @@ def test_packed_verification_changes_no_token(pair):
         outs[pack] = run_to_completion(engine, reqs)
     assert all(outs["on"][f"r{i}"] == outs["off"][f"r{i}"] for i in range(6))
     # 8 rows, one drafting: the forward's attention runs each row's real queries only
-    few = [(f"f{i}", [1 + i % 5, 3], SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i,
+    few = [(f"f{i}", [1 + i % 5, 3] + [2] * i, SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i,
                                                      ignore_eos=True), DecodeKnobs(draft_len=6 if i == 0 else 0))
            for i in range(8)]
     got = {}

@@ -127,3 +127,31 @@ def test_packed_positions_give_the_padded_results(tmp_path, family, common):
         torch.testing.assert_close(hidden[row, col], padded_hidden, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="packed_counts"):
         model(ids, torch.tensor(lens), model.new_cache(B, 64), 0, max(lens) + T, packed=packed, packed_counts=[1] * B)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_prefill_gives_the_padded_results(tmp_path, family):
+    """A prefill of prompts of unequal lengths, packed (`packed` + `packed_counts` from position
+    0: each prompt attends over its own keys) with logits at each prompt's last token, gives the
+    padded prefill's logits, hidden states and cache, and the same next step after it."""
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=3)
+    model = load_target(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    lens = [9, 1, 14, 5]
+    B, P = len(lens), max(lens)
+    ids = torch.randint(2, 128, (B, P), generator=gen)
+    real = torch.arange(P)[None] < torch.tensor(lens)[:, None]  # [B, P]
+    last = (torch.tensor(lens) - 1)[:, None]                    # [B, 1]
+    packed = real.view(-1).nonzero().view(-1)
+    zero = torch.zeros(B, dtype=torch.long)
+    results = []
+    for kwargs in ({}, {"packed": packed, "packed_counts": lens}):
+        cache = model.new_cache(max_batch=B + 1, max_len=32)
+        logits, hidden = model(ids, zero, cache, 1, P, capture=(0, 1), logits_index=last, start_value=0, **kwargs)
+        nxt = torch.randint(2, 128, (B, 1), generator=torch.Generator().manual_seed(5))
+        step, _ = model(nxt, torch.tensor(lens), cache, 1, P + 1)
+        k = torch.stack([cache.k[0][1 + r, :, : lens[r]].sum() for r in range(B)])
+        results.append((logits, hidden[real], step, k))
+    assert results[1][0].shape == (B, 1, 128)
+    for want, got in zip(results[0], results[1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

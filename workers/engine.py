@@ -70,17 +70,19 @@ class EngineConfig:
     bf16/fp16 matmuls (AVX2 only), run matmuls of `WIDE_ROWS` or more tokens (prefill, wide
     verifies, batches of 10+) through fp32 copies of the weights, ~4x faster for prefill at the
     price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere);
-    compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode forwards and the drafter's denoising pass as compiled programs
-    (workers/compiled.py; call `warm_up()` before serving, or the first steps of each kind
-    compile on the spot); suffix: keep a suffix drafter (workers/suffix.py) so that rows may
-    draft from text already seen (knobs source 'suffix', or a decision maker's `SUFFIX`);
+    compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode
+    forwards and the drafter's denoising pass as compiled programs (workers/compiled.py; call
+    `warm_up()` before serving, or the first steps of each kind compile on the spot); suffix:
+    keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
+    (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
     requests' drafts (0 = only a request's own text: no request's speed then depends on what
     another request generated); pack: "auto" | "on" | "off" or a bool: verification forwards run
     their projections, MLPs and LM head only on the positions rows really verify (each row's
     anchor and k_r drafts) instead of the batch padded to its longest row (`TargetModel.forward`'s
     `packed`); auto = on for eager CPU engines, where the forward is compute-bound and padding
-    costs as much as real positions (off when compiled: the compiled programs are padded)."""
+    costs as much as real positions (off when compiled: the compiled programs are padded);
+    prefills of prompts of unequal lengths are packed the same way."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -308,15 +310,24 @@ class Engine:
         return outputs
 
     def _prefill(self) -> list[RequestOutput]:
+        """Prefill waiting requests (as many as there are free slots) in one target forward and
+        sample their first tokens. With packing (`EngineConfig.pack`), prompts of unequal lengths
+        run the projections, MLPs and LM head on their own tokens only, not padded to the longest
+        prompt (a mixed chat / code / edit batch had twice its real tokens padded)."""
         new = [self.waiting.popleft() for _ in range(min(self.free_slots, len(self.waiting)))]
         t0 = time.perf_counter()
         dev, m, row0 = self.device, len(new), len(self.running)
         P = max(len(r.prompt) for r in new)
         ids = torch.tensor([r.prompt + [0] * (P - len(r.prompt)) for r in new], device=dev)  # [m, P]
-        lens = torch.tensor([len(r.prompt) for r in new], device=dev)
+        lens_host = [len(r.prompt) for r in new]
+        lens = torch.tensor(lens_host, device=dev)
         zero = torch.zeros(m, dtype=torch.long, device=dev)
+        pack = {}
+        if self.pack and sum(lens_host) < m * P:  # prompts of unequal lengths: no padded positions
+            pack = {"packed": (torch.arange(P, device=dev) < lens[:, None]).view(-1).nonzero().view(-1),  # [sum lens]
+                    "packed_counts": lens_host}
         logits, hidden = self.target_forward(ids, zero, self.tcache, row0, P, logits_index=(lens - 1)[:, None],
-                                             start_value=0)
+                                             start_value=0, **pack)
         if self.drafting is not None:
             self.drafting.write_prompt(hidden, row0)
         temp, top_k, top_p = sampling_tensors(new, dev)

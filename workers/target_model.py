@@ -129,6 +129,8 @@ class Attention(Fusable):
         q, k = qk[:, :, :h], qk[:, :, h:]
         write_kv(cache_k, cache_v, slot, k, v)
         q = q.to(cache_k.dtype)  # a cache kept in float32 under a bf16 model: attention in float32
+        if pack is not None and pack.prompts:  # a packed prefill: each prompt over its own keys
+            return self.o_proj(prompt_attention(q, cache_k, cache_v, pack.prompts).to(x.dtype))
         if pack is not None and pack.anchors is not None:  # only the rows' real queries attend
             out = ragged_query_attention(q, cache_k, cache_v, mask, pack)  # [N, h * d]
             return self.o_proj(out.to(x.dtype))
@@ -146,20 +148,26 @@ class Packing(NamedTuple):
     """A packed forward's positions (`TargetModel.forward`'s `packed`), made once per forward.
     index [N]: flat positions, row-major into [batch, width]; with per-row counts also anchors
     [batch] (each row's first packed position) and drafting: (row, first packed position, count)
-    of the rows with more than one query (host), which `ragged_query_attention` attends one by one."""
+    of the rows with more than one query (host), which `ragged_query_attention` attends one by one;
+    for a prefill from position 0, prompts: each row's prompt length (host), which
+    `prompt_attention` attends row by row over the row's own keys."""
 
     index: torch.Tensor
     batch: int
     width: int
     anchors: torch.Tensor | None = None
     drafting: tuple[tuple[int, int, int], ...] = ()
+    prompts: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, index: torch.Tensor, batch: int, width: int, counts: list[int] | None) -> "Packing":
+    def of(cls, index: torch.Tensor, batch: int, width: int, counts: list[int] | None,
+           from_zero: bool = False) -> "Packing":
         if counts is None:
             return cls(index, batch, width)
         if len(counts) != batch or sum(counts) != index.shape[0]:
             raise ValueError(f"packed_counts: expected {batch} counts summing to {index.shape[0]}")
+        if from_zero:
+            return cls(index, batch, width, prompts=tuple(int(c) for c in counts))
         starts = list(itertools.accumulate(counts, initial=0))[:-1]
         drafting = tuple((r, s, c) for r, (s, c) in enumerate(zip(starts, counts)) if c > 1)
         return cls(index, batch, width, torch.tensor(starts, device=index.device), drafting)
@@ -194,6 +202,23 @@ def ragged_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         rest = few_query_attention(q[r : r + 1, 1:c], k[r : r + 1], v[r : r + 1], m)          # [1, h, c - 1, d]
         out[start + 1 : start + c] = rest[0].transpose(0, 1).reshape(c - 1, h * d)
     return out
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """Causal attention of prompts prefilled from position 0, each over its own keys only: row r's
+    first lengths[r] queries over its first lengths[r] keys (a loop over rows, not tokens). The
+    padded call attends every row at the longest prompt's length: measured on SmolLM2, 16 mixed
+    prompts of 46-257 tokens spent 15 % of their prefill in attention that way.
+
+    q [B, T, h, d] (padded layout); k, v [B, kvh, W, d]. Returns [sum(lengths), h * d] in packed
+    order (row-major)."""
+    h, d = q.shape[2], q.shape[3]
+    outs = []
+    for r, n in enumerate(lengths):
+        o = F.scaled_dot_product_attention(q[r : r + 1, :n].transpose(1, 2), k[r : r + 1, :, :n], v[r : r + 1, :, :n],
+                                           is_causal=True, enable_gqa=h != k.shape[1])  # [1, h, n, d]
+        outs.append(o[0].transpose(0, 1).reshape(n, h * d))
+    return torch.cat(outs)
 
 
 # Decode and verification steps (a few new tokens per row) attend with plain matmuls: on CPU,
@@ -319,7 +344,8 @@ class TargetModel(nn.Module):
         capture: decoder-layer indices whose outputs to return (0 = after the first layer; the last
             layer's entry is after the final norm, as in HF `output_hidden_states`, which the
             drafter was trained on).
-        logits_index [B, J] int64 or None: if given, only those token positions get logits.
+        logits_index [B, J] int64 or None: if given, only those token positions get logits (with
+            `packed` too: positions of the padded layout, each one `packed` keeps).
         start_value: optional host-side promise that every entry of `start` equals it; the forward
             then writes K/V with plain copies, slices its RoPE table and shares one mask across
             rows (none at all for one new token at the end of the window). Same results.
@@ -327,11 +353,13 @@ class TargetModel(nn.Module):
             row's anchor and the drafts it verifies. The projections, MLPs and LM head then run
             on those N positions only, and attention on the padded layout (zeros elsewhere).
             Padded positions cost as much as real ones in a compute-bound forward, so on a CPU
-            this makes a row's draft cost only its own positions. Logits come back [N, V].
+            this makes a row's draft (or a short prompt prefilled beside a long one) cost only
+            its own positions. Logits come back [N, V], or [B, J, V] with `logits_index`.
         packed_counts: with `packed`, the host list of positions per row (`packed` must then be
             each row's first `counts[r]` positions, row-major); attention then runs each row's
-            real queries only (`ragged_query_attention`), not the padded layout's.
-        Returns logits [B, T or J, V] ([N, V] with `packed`) in float32 and hidden
+            real queries only (`ragged_query_attention`), not the padded layout's; in a prefill
+            (`start_value` 0), each prompt over its own keys (`prompt_attention`).
+        Returns logits [B, T or J, V] ([N, V] with `packed` alone) in float32 and hidden
         [B, T, len(capture) * H] (or None; zeros at positions `packed` leaves out).
         """
         B, T = input_ids.shape
@@ -339,9 +367,7 @@ class TargetModel(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         pack = None
         if packed is not None:
-            if logits_index is not None:
-                raise ValueError("packed: not with logits_index")
-            pack = Packing.of(packed, B, T, packed_counts)
+            pack = Packing.of(packed, B, T, packed_counts, from_zero=start_value == 0 and T > 1)
             x = x.reshape(B * T, -1)[packed]  # [N, H]
         index = None  # per-row starts: where the new K/V go in the whole cache tensors
         if start_value is not None:  # one start for all rows
@@ -366,7 +392,12 @@ class TargetModel(nn.Module):
         if last in capture:  # as in HF's output_hidden_states, the last entry is after the final norm
             captured[last] = unpack(x, pack)
         hidden = torch.cat([captured[i] for i in capture], -1) if capture else None
-        if logits_index is not None:
+        if logits_index is not None and pack is not None:  # padded positions -> packed order
+            order = torch.full((B * T,), -1, dtype=torch.long, device=device)
+            order[pack.index] = torch.arange(pack.index.shape[0], device=device)
+            x = x[order[(torch.arange(B, device=device)[:, None] * T + logits_index).reshape(-1)]]
+            x = x.view(B, logits_index.shape[1], -1)  # [B, J, H]
+        elif logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(x).float()
         return logits, hidden
