@@ -245,7 +245,9 @@ class AdaptivePolicy(Policy):
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
-        gain = w[:, None] * (win.gather(1, k) - extra.clamp(min=0)[:, None]).clamp(min=0)  # [B, C]
+        expect = win.gather(1, k)                                                      # [B, C] expected accepted
+        gain = w[:, None] * (expect - extra.clamp(min=0)[:, None]).clamp(min=0)        # [B, C] (inf plan: no gain)
+        plan_extra = extra.clamp(min=0).nan_to_num(posinf=0.0)                          # [B] the plan's extra tokens
         take = gain > 0                                                                # [B, C] takes its suffix draft
         diffusing = steps > 0
         stay = diffusing[:, None] & ~take                                              # [B, C] keeps its diffusion draft
@@ -266,10 +268,10 @@ class AdaptivePolicy(Policy):
         if not bool(diffusing.any()):  # the plan drafts nothing: taking a suffix draft takes the drafting path
             fixed = torch.where(take.any(0), self.draft_overhead_at(B), 0.0)
         ms = ms + fixed
-        planned = float((w * (1.0 + extra.clamp(min=0).nan_to_num(posinf=0.0))).sum())
+        planned = float((w * (1.0 + plan_extra)).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
-            got = torch.where(take, win.gather(1, k), extra.clamp(min=0).nan_to_num(posinf=0.0)[:, None])  # [B, C]
+            got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
             value = torch.where(keeps_targets(ctx, ms, 1.0 + got), value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
