@@ -12,8 +12,8 @@ maximum-likelihood estimates from records with `accepted` = a of k are
     c(m)  = Σ_{a ≥ 1, k ≥ 2} (a − 1) / (Σ_{a ≥ 1, k ≥ 2} (a − 1) + #[1 ≤ a < k])
 
 (later tokens accepted over later tokens accepted plus later rejections). The estimates are made
-non-decreasing in m (a longer match never predicts less); buckets with too few records fall
-back to the built-in ``m / (m + 3)``, and too few later tokens to the bucket's pooled estimate
+non-decreasing in m (a longer match never predicts less; `monotone`); buckets with too few
+records fall back to the built-in ``m / (m + 3)``, clipped between their fitted neighbours, and too few later tokens to the bucket's pooled estimate
 ``Σ a / (Σ a + #[a < k])``. The table goes into the adaptive policy's settings
 (``suffix_accept``; policies/adaptive.py) and the fit report.
 """
@@ -54,9 +54,29 @@ def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_REC
         accept.append(c)
         report["buckets"].append({"match": lo, "records": n, "first": round(c1, 4), "accept": round(c, 4),
                                   "pooled": round(pooled, 4), "fitted": n >= min_records})
-    first = np.maximum.accumulate(np.asarray(first)).clip(0.0, 0.999).tolist()
-    accept = np.maximum.accumulate(np.asarray(accept)).clip(0.0, 0.999).tolist()
+    fitted = [b["fitted"] for b in report["buckets"]]
+    first, accept = monotone(first, fitted), monotone(accept, fitted)
     return {"match": list(edges), "first": [round(c, 4) for c in first], "accept": [round(c, 4) for c in accept]}, report
+
+
+def monotone(values: list[float], fitted: list[bool]) -> list[float]:
+    """`values` per bucket made non-decreasing in the match length, clipped to [0, 0.999]: the
+    fitted buckets by a running maximum over fitted buckets only, and each bucket without enough
+    records keeps its prior clipped between its fitted neighbours' values (so a prior never lifts
+    a fitted bucket above it)."""
+    out = np.asarray(values, dtype=float).clip(0.0, 0.999)
+    mask = np.asarray(fitted, dtype=bool)
+    if mask.any():
+        out[mask] = np.maximum.accumulate(out[mask])
+        idx = np.flatnonzero(mask)
+        for i in np.flatnonzero(~mask):
+            below, above = idx[idx < i], idx[idx > i]
+            lo = out[below[-1]] if below.size else 0.0
+            hi = out[above[0]] if above.size else 0.999
+            out[i] = min(max(out[i], lo), hi)
+    else:
+        out = np.maximum.accumulate(out)
+    return out.tolist()
 
 
 def collect_suffix_traces(target, prompts: list[list[int]], max_tokens: int, batch: int = 8,

@@ -34,6 +34,22 @@ def test_fit_recovers_per_token_acceptance_by_match_length():
     assert fitted == {2, 8} and report["records"] == 1900
 
 
+def test_an_empty_bucket_does_not_lift_a_fitted_one():
+    """Bucket 6 fitted at 0.5 stays 0.5 beside an empty bucket 4 (prior 4/7 = 0.57): the prior is
+    clipped between its fitted neighbours instead of raising bucket 6 to it."""
+    from adapt.suffix_fit import monotone
+
+    rng = np.random.default_rng(3)
+    records = suffix_records(rng, 400, 2, 0.3) + suffix_records(rng, 400, 6, 0.5, start=400)
+    table, report = fit_suffix_accept(TraceTable.from_records(records))
+    c = dict(zip(table["match"], table["accept"]))
+    assert abs(c[6] - 0.5) < 0.05 and c[3] <= c[4] <= c[6]
+    assert all(b >= a for a, b in zip(table["accept"], table["accept"][1:]))
+    assert c[8] == pytest.approx(8 / 11, abs=1e-3)  # above the last fitted bucket: its own prior
+    assert monotone([0.2, 0.9, 0.4, 0.3], [True, False, True, True]) == pytest.approx([0.2, 0.4, 0.4, 0.4])
+    assert monotone([0.5, 0.6], [False, False]) == pytest.approx([0.5, 0.6])
+
+
 def test_fit_separates_the_first_tokens_acceptance_from_the_later_ones():
     """Copies that run on (first token 0.5, later ones 0.9) fit as c₁ = 0.5, c = 0.9; a geometric
     law fits c₁ = c; the policy reads both and a draft's expected accepted tokens follow."""
