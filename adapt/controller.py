@@ -83,6 +83,7 @@ class AdaptiveSettings(_Settings):
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
     sla_guard: bool = Field(default=None)
+    sla_clock: Literal["wall", "decode"] = Field(default=None)
 
 
 class ExploreSettings(_Settings):

@@ -76,9 +76,11 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
-                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = False, **kwargs):
+                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = False, sla_clock: str = "wall",
+                 **kwargs):
         super().__init__(**kwargs)
         self.sla_guard = bool(sla_guard)
+        self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
         if not 0.0 <= hold_share <= 1.0:
@@ -129,6 +131,19 @@ class AdaptivePolicy(Policy):
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
+
+    @property
+    def sla_clock(self) -> str:
+        """How a row's time per token is measured against its target: "wall" (as the client
+        measures it, other requests' prefills included; `RequestBook`) or "decode" (the sum of the
+        decode steps it took part in, the policy's measure before stop 21)."""
+        return "wall" if self.book.wall_clock else "decode"
+
+    @sla_clock.setter
+    def sla_clock(self, value: str) -> None:
+        if value not in ("wall", "decode"):
+            raise ValueError(f"sla_clock: must be 'wall' or 'decode', got {value!r}")
+        self.book.wall_clock = value == "wall"
 
     def weights(self, ctx) -> torch.Tensor:
         """[B] row weight: 1, more for higher priority, up to 1 + 2·sla_weight when far behind target

@@ -56,13 +56,18 @@ class RequestBook:
     steps since the request last verified drafts (*idle* steps).
 
     ``observe`` adds each step's time to every row in it and the row's emitted tokens; the
-    lateness of a request is ``(elapsed / tokens) / tpot_target``. While the batch keeps the same
-    requests in the same order (most steps), everything stays in tensors and a step costs a few
-    tensor ops; when the batch changes, the per-request values move through dictionaries.
-    Requests not seen for ``forget_after`` steps are dropped.
+    lateness of a request is ``(elapsed / tokens) / tpot_target``. With ``wall_clock`` (default),
+    where the rows carry their wall time since their first token (`RowState.decode_ms`, the live
+    engine), elapsed and tokens are those of the client's TPOT instead: wall time, which counts the
+    other requests' prefills between decode steps (stop 21: at 16 requests on the mixed workload
+    prefills were 28-42 % of the wall time, which the sum of decode steps never saw).
+    While the batch keeps the same requests in the same order (most steps), everything stays in
+    tensors and a step costs a few tensor ops; when the batch changes, the per-request values move
+    through dictionaries. Requests not seen for ``forget_after`` steps are dropped.
     """
 
-    def __init__(self, forget_after: int = 256):
+    def __init__(self, forget_after: int = 256, wall_clock: bool = True):
+        self.wall_clock = wall_clock
         self.info: dict[str, RowInfo] = {}
         self.elapsed_ms: dict[str, float] = {}
         self.tokens: dict[str, float] = {}
@@ -117,15 +122,20 @@ class RequestBook:
 
     def tensors(self, rows, device) -> dict[str, torch.Tensor]:
         """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle,
-        elapsed_ms and tokens (each row's decode time and tokens so far)."""
+        elapsed_ms and tokens (each row's decode time and tokens so far: wall time since its first
+        token and tokens after it with ``wall_clock`` where the rows carry `decode_ms`)."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
-        measured = self.elapsed / self.count.clamp_min(1.0)
+        elapsed, count = self.elapsed, self.count
+        wall = getattr(rows, "decode_ms", None)
+        if self.wall_clock and wall is not None:  # as the client measures: wall time, tokens after the first
+            elapsed, count = wall.float().cpu(), (rows.generated.cpu() - 1).clamp_min(0).float()
+        measured = elapsed / count.clamp_min(1.0)
         lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
                "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
-               "idle": self.idle, "elapsed_ms": self.elapsed, "tokens": self.count}
+               "idle": self.idle, "elapsed_ms": elapsed, "tokens": count}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
         return out

@@ -445,3 +445,32 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     wide = StepOutcome(torch.zeros(6, dtype=torch.long), torch.tensor([3, 0, 0, 0, 0, 0]), torch.zeros(6), 0.1, 9)
     assert p._table_ms(wide, 100.0) == pytest.approx(80.0)
     assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0
+
+
+def test_request_book_measures_time_per_token_as_the_client_does():
+    """With the rows' wall time since their first token (`RowState.decode_ms`, as the engine
+    gives it), the book's elapsed time, token count and lateness are the client's TPOT, prefills
+    between decode steps included; `sla_clock="decode"` keeps the sum of the steps' own times."""
+    import dataclasses
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.common import RequestBook
+
+    rows = RowState(request_ids=["a", "b"], knobs=[DecodeKnobs()] * 2, targets=[RequestTargets(tpot_ms=50.0), None],
+                    position=torch.tensor([10, 12]), generated=torch.tensor([5, 1]), temperature=torch.zeros(2),
+                    recent_accept=torch.zeros(2), tvd_spent=torch.zeros(2), remaining=torch.tensor([20, 20]),
+                    batch_size=2, block_size=4)
+    book = RequestBook()
+    book.observe(rows, torch.tensor([4, 0]), 30.0)  # the sum of decode steps: 30 ms for row a's 4 tokens
+    decode = book.tensors(rows, None)
+    assert decode["elapsed_ms"].tolist() == [30.0, 30.0] and decode["lateness"][0] == pytest.approx(30.0 / 4 / 50.0)
+    walled = dataclasses.replace(rows, decode_ms=torch.tensor([400.0, 10.0]))  # a prefill stalled row a
+    wall = book.tensors(walled, None)
+    assert wall["elapsed_ms"].tolist() == [400.0, 10.0] and wall["tokens"].tolist() == [4.0, 0.0]
+    assert wall["lateness"][0] == pytest.approx(400.0 / 4 / 50.0) and wall["lateness"][1] == 0.0
+    policy = AdaptivePolicy(sla_clock="decode")
+    assert policy.sla_clock == "decode" and not policy.book.wall_clock
+    policy.update(sla_clock="wall")
+    assert policy.book.wall_clock
+    with pytest.raises(ValueError, match="sla_clock"):
+        AdaptivePolicy(sla_clock="cpu")

@@ -62,7 +62,10 @@ class RowState:
     suffix_len / suffix_score / suffix_match: the row's suffix draft this step (tokens, expected
     accepted tokens, match length; workers/suffix.py), None when not computed.
     packed_verify: the engine's verification forward costs each row's own positions (anchor +
-    drafts: `EngineConfig.pack`) rather than every row padded to the longest draft."""
+    drafts: `EngineConfig.pack`) rather than every row padded to the longest draft.
+    decode_ms: wall ms since each row's first token, at the start of this step: what a client's
+    time per output token counts (decode steps, and other requests' prefills between them);
+    None where there is no wall clock (a trace replay)."""
 
     request_ids: list[str]
     knobs: list[DecodeKnobs]
@@ -80,6 +83,7 @@ class RowState:
     suffix_score: torch.Tensor | None = None  # [B] float32
     suffix_match: torch.Tensor | None = None  # [B] int64
     packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
+    decode_ms: torch.Tensor | None = None     # [B] float32 wall ms since the row's first token
 
 
 @dataclass(frozen=True)

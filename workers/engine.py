@@ -339,7 +339,7 @@ class Engine:
         outputs, done = [], []
         for i, (req, tok) in enumerate(zip(new, tokens)):
             self.running.append(req)
-            req.t_start, req.length, req.passes = t0, len(req.prompt), 1
+            req.t_start, req.t_first, req.length, req.passes = t0, now, len(req.prompt), 1
             req.ctx_len = req.length  # the prefill wrote the prompt's drafter context
             reason = emit(req, [tok], now, self.max_len)
             outputs.append(RequestOutput(req.request_id, [tok], reason is not None, reason, request_stats(req)))
@@ -537,13 +537,15 @@ class Engine:
             suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
                           suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
                           suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]))
+        now = time.perf_counter()
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
             position=torch.tensor([r.length for r in run]), generated=torch.tensor([len(r.output) for r in run]),
             temperature=torch.tensor([float(r.params.temperature) for r in run]),
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
             remaining=torch.tensor([remaining(r, self.max_len) for r in run]), batch_size=len(run), block_size=self.width,
-            has_drafter=self.drafter is not None, packed_verify=self.pack, **suffix)
+            has_drafter=self.drafter is not None, packed_verify=self.pack,
+            decode_ms=torch.tensor([1e3 * (now - r.t_first) for r in run], dtype=torch.float32), **suffix)
 
     def _release(self, idx: list[int]) -> None:
         """Free the slots `idx` of the running list, moving the last slots into the holes."""

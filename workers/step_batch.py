@@ -57,6 +57,7 @@ class RequestState:
     tvd: float = 0.0
     recent_accept: float = RECENT_NONE
     t_start: float = 0.0
+    t_first: float = 0.0       # when its first token (the prefill's) was emitted
     t_last: float = 0.0
     last_knobs: tuple = (0, 0, int(Rule.GREEDY))  # steps, draft_len, rule of the latest step
     apos: list[float] = field(default_factory=list)  # accept_per_position
