@@ -287,7 +287,7 @@ class AdaptivePolicy(Policy):
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
             got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
-            value = torch.where(keeps_targets(ctx, ms, 1.0 + got), value, 0.0)
+            value = torch.where(keeps_targets(ctx, ms, 1.0 + got, rows.remaining), value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
         # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
@@ -503,15 +503,28 @@ def verified_drafts(outcome) -> bool:
     return bool((torch.as_tensor(outcome.verified) > 0).any())
 
 
-def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
+                  remaining: torch.Tensor | None = None) -> torch.Tensor:
     """[C] whether candidate step ``c`` (predicted ``ms`` [C], expected tokens per row ``tokens``
     [B, C], column 0 the plan) keeps every row that meets its TPOT target under the plan within
-    it: a row meets it after a step of ``t`` ms bringing ``e`` tokens when ``elapsed + t ≤ target ·
-    (tokens so far + e)``. Rows without a target, or already behind it under the plan, do not
-    constrain (their weight in the objective does)."""
+    it. A row with ``elapsed`` ms and ``n`` tokens so far meets it after a step of ``t`` ms that
+    brings it ``e`` tokens when both
+      - now: ``elapsed + t ≤ target · (n + e)``, and
+      - at the end (with ``remaining`` [B], the tokens it may still emit): ``elapsed + t +
+        (remaining − e) · pace ≤ target · (n + remaining)``, finishing at the plan's step time
+        plus the row's own stall per token so far (``stall_ms / n``: time outside decode steps,
+        other requests' prefills; 0 under the decode clock).
+    Rows without a target, or already behind it under the plan, do not constrain (their weight in
+    the objective does)."""
     target = ctx["tpot_ms"].cpu()[:, None]                                            # [B, 1] inf = none
     elapsed, count = ctx["elapsed_ms"].cpu()[:, None], ctx["tokens"].cpu()[:, None]   # [B, 1]
     meets = elapsed + ms[None, :] <= target * (count + tokens)                        # [B, C]
+    if remaining is not None:
+        left = remaining.cpu().float()[:, None]                                       # [B, 1]
+        stall = ctx.get("stall_ms", torch.zeros_like(ctx["tokens"])).cpu()[:, None]
+        pace = ms[0] + stall / count.clamp_min(1.0)                                   # [B, 1] ms per later token
+        finish = elapsed + ms[None, :] + (left - tokens).clamp_min(0.0) * pace        # [B, C]
+        meets &= finish <= target * (count + left)
     return ~(meets[:, :1] & ~meets).any(0)
 
 

@@ -123,19 +123,21 @@ class RequestBook:
     def tensors(self, rows, device) -> dict[str, torch.Tensor]:
         """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle,
         elapsed_ms and tokens (each row's decode time and tokens so far: wall time since its first
-        token and tokens after it with ``wall_clock`` where the rows carry `decode_ms`)."""
+        token and tokens after it with ``wall_clock`` where the rows carry `decode_ms`), stall_ms
+        (wall time outside the decode steps it took part in; 0 without the wall clock)."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
-        elapsed, count = self.elapsed, self.count
+        elapsed, count, stall = self.elapsed, self.count, torch.zeros_like(self.elapsed)
         wall = getattr(rows, "decode_ms", None)
         if self.wall_clock and wall is not None:  # as the client measures: wall time, tokens after the first
             elapsed, count = wall.float().cpu(), (rows.generated.cpu() - 1).clamp_min(0).float()
+            stall = (elapsed - self.elapsed).clamp_min(0.0)  # time outside the decode steps it took part in
         measured = elapsed / count.clamp_min(1.0)
         lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
                "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
-               "idle": self.idle, "elapsed_ms": elapsed, "tokens": count}
+               "idle": self.idle, "elapsed_ms": elapsed, "tokens": count, "stall_ms": stall}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
         return out

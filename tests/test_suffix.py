@@ -313,6 +313,52 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     assert int(policy._suffix_k[1]) == chosen[False]
 
 
+def test_sla_guard_looks_ahead_with_the_stalls_the_row_has_seen():
+    """Under the wall clock a row's stalls (time outside decode steps: other requests' prefills)
+    count in its pace to the end: 10 plain 10 ms steps took 140 ms of wall time, so the tight row
+    (17.4 ms/token, 50 tokens left) finishes on target at the plan's 14 ms + 4 ms stall per token
+    with 8 ms to spare, and the copy takes at most 4 drafts (2 ms each). Under the decode clock
+    it sees no stalls and the copy takes what it takes unguarded."""
+    import dataclasses
+
+    import torch
+
+    from adapt.targets import RequestTargets
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState, StepOutcome
+
+    B = 2
+    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
+                    targets=[RequestTargets(tpot_ms=17.4), None], position=torch.full((B,), 100),
+                    generated=torch.full((B,), 11), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
+                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
+                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
+                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]),
+                    decode_ms=torch.tensor([140.0, 140.0]))
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    chosen = {}
+    for clock in ("wall", "decode", "unguarded"):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=clock != "unguarded",
+                                sla_clock="decode" if clock == "decode" else "wall")
+        for _ in range(10):  # ten 10 ms decode steps of one token each
+            policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                                             torch.zeros(B), 0.010, B))
+        assert policy.choose_steps(rows).tolist() == [0, SUFFIX]
+        chosen[clock] = int(policy._suffix_k[1])
+    # wall: 140 + 14 + 2k + 49 · (14 + 4) <= 17.4 · 60, so k <= 4 (now: 154 + 2k <= 191.4 allows 18)
+    assert 1 <= chosen["wall"] <= 4
+    assert chosen["decode"] == chosen["unguarded"] >= 6
+    # a row that cannot finish on target at the plan's pace does not constrain
+    late = dataclasses.replace(rows, targets=[RequestTargets(tpot_ms=17.0), None])
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True)
+    for _ in range(10):
+        policy.observe(late, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                                         torch.zeros(B), 0.010, B))
+    policy.choose_steps(late)
+    assert int(policy._suffix_k[1]) == chosen["unguarded"]
+
+
 def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     """A widened step that took exactly what the policy charged (its table's time plus the
     learned fixed cost of the drafting path) leaves the suffix cost ratio at 1: the ratio
