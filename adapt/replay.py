@@ -61,9 +61,16 @@ class Scenario:
 
 
 def make_mix(num_requests: int, tight_tpot_ms: float, loose_tpot_ms: float, eps: float = 0.1,
-             max_tokens: int = 64, budget_total: float | None = None) -> list[RequestSpec]:
+             max_tokens: int = 64, budget_total: float | None = None, length_spread: float = 0.0) -> list[RequestSpec]:
     """The evaluation mix, deterministic: half greedy and half sampled (T = 0.8); sampled requests
-    alternate lossless and ``tvd=eps``; one request in three has the tight TPOT target."""
+    alternate lossless and ``tvd=eps``; one request in three has the tight TPOT target.
+    ``length_spread`` s in [0, 1): request i asks for ``max_tokens · (1 − s + 2s · frac(i · φ))``
+    tokens (φ the golden ratio: evenly spread, mean ``max_tokens``) instead of ``max_tokens`` each.
+    With equal lengths, autoregressive decoding in a closed loop runs in lockstep cohorts: every
+    request of a cohort finishes in the same step, so no request ever waits for another's prefill
+    while it decodes, which a policy whose rows finish apart cannot match."""
+    if not 0.0 <= length_spread < 1.0:
+        raise ValueError(f"length_spread must be in [0, 1), got {length_spread}")
     out = []
     for i in range(num_requests):
         sampled = i % 2 == 1
@@ -71,8 +78,11 @@ def make_mix(num_requests: int, tight_tpot_ms: float, loose_tpot_ms: float, eps:
         quality = f"tvd={eps:g}" if lenient else "lossless"
         total = budget_total if lenient else None
         tpot = tight_tpot_ms if i % 3 == 0 else loose_tpot_ms
+        length = max_tokens
+        if length_spread:
+            length = max(2, round(max_tokens * (1.0 - length_spread + 2.0 * length_spread * ((i * 0.6180339887) % 1.0))))
         out.append(RequestSpec(RequestTargets(tpot_ms=tpot, quality=quality, tvd_budget_total=total),
-                               temperature=0.8 if sampled else 0.0, max_tokens=max_tokens))
+                               temperature=0.8 if sampled else 0.0, max_tokens=length))
     return out
 
 

@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--loads", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="requests ask for max_tokens * (1 +- spread) tokens, evenly spread (adapt.replay.make_mix)")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     loads = [int(x) for x in args.loads.split(",")]
-    engine, prompts = workload_engine(args.pair, args.workload, max(loads), args.max_tokens)
+    longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
+    engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest)
     pf = load(args.policy_file)
     pf.cost = profile_engine(engine)
     K = engine.block
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     names = ["ar", "suffix", "adaptive", *variants]
     rows = []
     for c in loads:
-        mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens)
+        mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
         runs = {n: [] for n in names}
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -89,11 +92,15 @@ def main(argv=None) -> int:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]
             rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n,
+                         "length_spread": args.length_spread,
                          "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),
                          "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
                          "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),
                          "decision_ms_per_step": round(m.get("decision_ms_per_step", float("nan")), 3),
                          "held_share": m["held_share"], "source_share": m.get("source_share"),
+                         "prefill_stall_share": round(statistics.mean(r["prefill_stall_share"] for r in runs[n]), 3),
+                         "sla_without_stalls": round(statistics.mean(r["sla_attainment_without_stalls"]
+                                                                     for r in runs[n]), 3),
                          "suffix_calibration": m["suffix_calibration"]})
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)

@@ -111,6 +111,19 @@ def test_live_ar_and_suffix_baselines(engine):
     assert m["decision_ms_per_step"] >= 0.0 and not math.isnan(m["decision_ms_per_step"])
 
 
+def test_live_runs_report_the_waits_for_other_requests_prefills(engine):
+    """Requests of equal lengths decoded autoregressively run in lockstep cohorts: none waits for
+    another's prefill while it decodes. With unequal lengths a short request's successor is
+    prefilled while the long one decodes, and the long one's wait is reported."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23] * 6]
+    lockstep = run_live(engine, make_policy("ar", None), Scenario("ar", 2, _greedy(4)), prompts)
+    assert lockstep["prefill_stall_share"] == 0.0 and lockstep["sla_attainment_without_stalls"] == 1.0
+    apart = [RequestSpec(RequestTargets(tpot_ms=1e6), temperature=0.0, max_tokens=n) for n in (6, 30, 6, 30)]
+    m = run_live(engine, make_policy("ar", None), Scenario("ar", 2, apart), prompts)
+    assert 0.0 < m["prefill_stall_share"] < 1.0
+    assert m["sla_attainment_without_stalls"] >= m["sla_attainment"]
+
+
 def test_every_live_run_starts_with_an_empty_suffix_memory(engine):
     # a random prompt (no repeats of its own): a suffix draft there can only copy a remembered output
     import torch

@@ -94,3 +94,14 @@ def test_bench_policies_replay_only(tmp_path):
     assert all(r["tau"] == 1.0 for r in rows if r["policy"] == "ar")
     assert sorted({r["concurrency"] for r in rows}) == [1, 4, 16, 64]
     assert (out / "policies.png").stat().st_size > 1000 and "adaptive" in (out / "policies.md").read_text()
+
+
+def test_mix_lengths_spread_evenly_around_max_tokens():
+    """`length_spread` gives requests lengths spread evenly over max_tokens · (1 ± s), with mean
+    near max_tokens; 0 keeps every request at max_tokens; a spread of 1 or more is an error."""
+    assert {r.max_tokens for r in make_mix(12, 3.0, 12.0, max_tokens=64)} == {64}
+    lengths = [r.max_tokens for r in make_mix(48, 3.0, 12.0, max_tokens=64, length_spread=0.5)]
+    assert min(lengths) >= 32 and max(lengths) <= 96 and len(set(lengths)) > 30
+    assert abs(sum(lengths) / len(lengths) - 64) < 2
+    with pytest.raises(ValueError, match="length_spread"):
+        make_mix(4, 3.0, 12.0, length_spread=1.0)

@@ -171,6 +171,7 @@ class Engine:
         self.running: list[RequestState] = []
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
+        self.prefill_seconds = 0.0  # wall time spent in prefills so far (running rows wait meanwhile)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
 
@@ -346,6 +347,7 @@ class Engine:
             if reason is not None:
                 done.append(row0 + i)
         self._release(done)
+        self.prefill_seconds += time.perf_counter() - t0
         return outputs
 
     def _batch(self, rows: RowState, steps: torch.Tensor, steps_host: list[int]) -> StepBatch:

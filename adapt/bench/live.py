@@ -6,7 +6,9 @@ the engine, and measures what a client sees: tokens, wall time, per-request TPOT
 first and last token divided by the tokens after the first) and TTFT, TVD spent and τ from the
 engine's per-request stats, the policy's own decision time, and where the rows' drafts came from
 (``source_share``: the share of decode row-steps that verified no draft, a diffusion draft or a
-suffix draft). `collect_traces` runs the `explore` policy the same way with a trace sink, which is
+suffix draft). ``prefill_stall_share`` is the share of the requests' time between their first
+and last tokens spent waiting for other requests' prefills (`Engine.prefill_seconds`), and
+``sla_attainment_without_stalls`` the attainment had those waits not counted. `collect_traces` runs the `explore` policy the same way with a trace sink, which is
 how the bench gets replayable traces.
 
 `KnobsBaseline` is a decision maker with fixed knobs for every row (the engine's own
@@ -120,13 +122,15 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
             params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, seed=seed * 100003 + i,
                                     ignore_eos=True)
             engine.add_request(rid, prompts[i % len(prompts)], params, knobs, targets=spec.targets)
-            live[rid] = {"spec": spec, "t_add": time.perf_counter(), "t_first": None, "t_last": None, "tokens": 0}
+            live[rid] = {"spec": spec, "t_add": time.perf_counter(), "t_first": None, "t_last": None, "tokens": 0,
+                         "p_first": 0.0, "p_last": 0.0}
         for out in engine.step():
             now = time.perf_counter()
             st = live[out.request_id]
             if out.new_token_ids:
+                st["p_last"] = engine.prefill_seconds
                 if st["t_first"] is None:
-                    st["t_first"] = now
+                    st["t_first"], st["p_first"] = now, engine.prefill_seconds
                 else:  # a decode step (the first token comes from the prefill)
                     src = out.stats.get("source_used")
                     if src in sources:
@@ -138,12 +142,16 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
                 done.append(live.pop(out.request_id))
     wall = time.perf_counter() - t_start
     tokens = sum(d["tokens"] for d in done)
-    met = 0
+    met = met_unstalled = 0
     tvd = 0.0
     passes = 0
+    decode_s = stall_s = 0.0
     for d in done:
         target = d["spec"].targets.effective_tpot_ms
         tpot = 1e3 * (d["t_last"] - d["t_first"]) / max(d["tokens"] - 1, 1)
+        stall = d["p_last"] - d["p_first"]  # other requests' prefills while it decoded
+        decode_s, stall_s = decode_s + d["t_last"] - d["t_first"], stall_s + stall
+        met_unstalled += target is None or tpot - 1e3 * stall / max(d["tokens"] - 1, 1) <= target
         ttft = 1e3 * (d["t_first"] - d["t_add"])
         ok = target is None or tpot <= target
         if d["spec"].targets.ttft_ms is not None:
@@ -157,6 +165,8 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
             "tau": tokens / max(passes, 1), "tvd_spent_per_token": tvd / max(tokens, 1),
             "decision_ms_per_step": stats.get("decision_ms_per_step", float("nan")),
             "tokens": tokens, "requests": len(done), "wall_s": wall,
+            "prefill_stall_share": stall_s / max(decode_s, 1e-9),
+            "sla_attainment_without_stalls": met_unstalled / max(len(done), 1),
             "source_share": {k: v / row_steps for k, v in sources.items()}}
 
 
