@@ -80,7 +80,8 @@ def make_mix(num_requests: int, tight_tpot_ms: float, loose_tpot_ms: float, eps:
         tpot = tight_tpot_ms if i % 3 == 0 else loose_tpot_ms
         length = max_tokens
         if length_spread:
-            length = max(2, round(max_tokens * (1.0 - length_spread + 2.0 * length_spread * ((i * 0.6180339887) % 1.0))))
+            even = (i * 0.6180339887) % 1.0  # frac(i · φ): evenly spread over [0, 1)
+            length = max(2, round(max_tokens * (1.0 - length_spread + 2.0 * length_spread * even)))
         out.append(RequestSpec(RequestTargets(tpot_ms=tpot, quality=quality, tvd_budget_total=total),
                                temperature=0.8 if sampled else 0.0, max_tokens=length))
     return out

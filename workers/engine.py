@@ -325,8 +325,8 @@ class Engine:
         zero = torch.zeros(m, dtype=torch.long, device=dev)
         pack = {}
         if self.pack and sum(lens_host) < m * P:  # prompts of unequal lengths: no padded positions
-            pack = {"packed": (torch.arange(P, device=dev) < lens[:, None]).view(-1).nonzero().view(-1),  # [sum lens]
-                    "packed_counts": lens_host}
+            real = torch.arange(P) < torch.tensor(lens_host)[:, None]                  # [m, P] host: no device sync
+            pack = {"packed": real.view(-1).nonzero().view(-1).to(dev), "packed_counts": lens_host}  # [sum lens]
         logits, hidden = self.target_forward(ids, zero, self.tcache, row0, P, logits_index=(lens - 1)[:, None],
                                              start_value=0, **pack)
         if self.drafting is not None:

@@ -8,8 +8,9 @@ engine's per-request stats, the policy's own decision time, and where the rows' 
 (``source_share``: the share of decode row-steps that verified no draft, a diffusion draft or a
 suffix draft). ``prefill_stall_share`` is the share of the requests' time between their first
 and last tokens spent waiting for other requests' prefills (`Engine.prefill_seconds`), and
-``sla_attainment_without_stalls`` the attainment had those waits not counted. `collect_traces` runs the `explore` policy the same way with a trace sink, which is
-how the bench gets replayable traces.
+``sla_attainment_without_stalls`` the attainment had those waits not counted. `collect_traces`
+runs the `explore` policy the same way with a trace sink, which is how the bench gets
+replayable traces.
 
 `KnobsBaseline` is a decision maker with fixed knobs for every row (the engine's own
 `StaticDecisions` on them): ``KnobsBaseline("ar", draft_len=0)`` never drafts,
