@@ -287,7 +287,7 @@ class AdaptivePolicy(Policy):
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
             got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
-            value = torch.where(keeps_targets(ctx, ms, 1.0 + got, rows.remaining), value, 0.0)
+            value = torch.where(keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack), value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
         # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
@@ -504,28 +504,36 @@ def verified_drafts(outcome) -> bool:
 
 
 def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
-                  remaining: torch.Tensor | None = None) -> torch.Tensor:
+                  remaining: torch.Tensor | None = None, slack: float = 1.0) -> torch.Tensor:
     """[C] whether candidate step ``c`` (predicted ``ms`` [C], expected tokens per row ``tokens``
     [B, C], column 0 the plan) keeps every row that meets its TPOT target under the plan within
-    it. A row with ``elapsed`` ms and ``n`` tokens so far meets it after a step of ``t`` ms that
-    brings it ``e`` tokens when both
-      - now: ``elapsed + t ≤ target · (n + e)``, and
+    ``slack`` times it (a headroom for what the prediction does not know: the prefills to come,
+    the noise of step times). A row with ``elapsed`` ms and ``n`` tokens so far meets a target
+    ``T`` after a step of ``t`` ms that brings it ``e`` tokens when both
+      - now: ``elapsed + t ≤ T · (n + e)``, and
       - at the end (with ``remaining`` [B], the tokens it may still emit): ``elapsed + t +
-        (remaining − e) · pace ≤ target · (n + remaining)``, finishing at the plan's step time
+        (remaining − e) · pace ≤ T · (n + remaining)``, finishing at the plan's step time
         plus the row's own stall per token so far (``stall_ms / n``: time outside decode steps,
         other requests' prefills; 0 under the decode clock).
-    Rows without a target, or already behind it under the plan, do not constrain (their weight in
-    the objective does)."""
+    A protected row (one that meets ``T`` = its target under the plan) must meet ``slack · T``
+    under the candidate; with ``slack < 1`` a protected row already past ``slack · T`` under the
+    plan rules out every widening step (the plan, column 0, stays the choice). Rows without a
+    target, or already behind it under the plan, do not constrain (their weight in the objective
+    does)."""
     target = ctx["tpot_ms"].cpu()[:, None]                                            # [B, 1] inf = none
     elapsed, count = ctx["elapsed_ms"].cpu()[:, None], ctx["tokens"].cpu()[:, None]   # [B, 1]
-    meets = elapsed + ms[None, :] <= target * (count + tokens)                        # [B, C]
+    pace = finish = left = None
     if remaining is not None:
         left = remaining.cpu().float()[:, None]                                       # [B, 1]
-        stall = ctx.get("stall_ms", torch.zeros_like(ctx["tokens"])).cpu()[:, None]
+        stall = ctx["stall_ms"].cpu()[:, None]
         pace = ms[0] + stall / count.clamp_min(1.0)                                   # [B, 1] ms per later token
         finish = elapsed + ms[None, :] + (left - tokens).clamp_min(0.0) * pace        # [B, C]
-        meets &= finish <= target * (count + left)
-    return ~(meets[:, :1] & ~meets).any(0)
+
+    def meets(T: torch.Tensor) -> torch.Tensor:                                        # [B, C]
+        ok = elapsed + ms[None, :] <= T * (count + tokens)
+        return ok if finish is None else ok & (finish <= T * (count + left))
+
+    return ~(meets(target)[:, :1] & ~meets(slack * target)).any(0)
 
 
 def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:

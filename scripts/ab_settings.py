@@ -46,6 +46,10 @@ def main(argv=None) -> int:
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="requests ask for max_tokens * (1 +- spread) tokens, evenly spread (adapt.replay.make_mix)")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
+    p.add_argument("--admission", default="all",
+                   help="engine admission modes, comma-separated (workers/admission.py); every policy runs under "
+                        "each, named NAME+MODE for modes other than 'all'")
+    p.add_argument("--admission-max-wait-ms", type=float, default=1000.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -74,7 +78,10 @@ def main(argv=None) -> int:
             return build_policy("adaptive", pf, steps_grid=grid, **variants[name])
         return make_policy(name, pf, steps_grid=grid, width=K)
 
-    names = ["ar", "suffix", "adaptive", *variants]
+    modes = [m.strip() for m in args.admission.split(",") if m.strip()]
+    engine.config.admission_max_wait_ms = args.admission_max_wait_ms
+    base = ["ar", "suffix", "adaptive", *variants]
+    names = [n if m == "all" else f"{n}+{m}" for m in modes for n in base]
     rows = []
     for c in loads:
         mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
@@ -82,7 +89,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for n in order:
-                policy = make(n)
+                policy = make(n.partition("+")[0])
+                engine.admission = n.partition("+")[2] or "all"
                 run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
                 m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
                 st = policy.stats() if hasattr(policy, "stats") else {}
@@ -92,7 +100,7 @@ def main(argv=None) -> int:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]
             rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n,
-                         "length_spread": args.length_spread,
+                         "length_spread": args.length_spread, "admission": n.partition("+")[2] or "all",
                          "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),
                          "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
                          "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),
@@ -101,6 +109,9 @@ def main(argv=None) -> int:
                          "prefill_stall_share": round(statistics.mean(r["prefill_stall_share"] for r in runs[n]), 3),
                          "sla_without_stalls": round(statistics.mean(r["sla_attainment_without_stalls"]
                                                                      for r in runs[n]), 3),
+                         "ttft_ms_mean": round(statistics.mean(statistics.mean(q["ttft_ms"] for q in r["per_request"])
+                                                               for r in runs[n]), 1),
+                         "per_request": m["per_request"],
                          "suffix_calibration": m["suffix_calibration"]})
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)

@@ -143,9 +143,14 @@ def test_bench_policies_live_with_ar_suffix_and_best_static(tiny, tmp_path):
     assert cli_main(["bench", "policies", "--target", str(tiny[0]), "--drafter", str(tiny[1]), "--quick",
                      "--workload", "edit", "--live-loads", "2", "--replay-loads", "1,4", "--rounds", "1",
                      "--trace-requests", "4", "--requests", "8", "--max-tokens", "8", "--cost", "traces",
-                     "--threads", "1", "--out", str(out)]) == 0
+                     "--threads", "1", "--admission", "sla", "--out", str(out)]) == 0
     rows = json.loads((out / "policies.json").read_text())
     assert {r["workload"] for r in rows} == {"edit"}
+    # live rows report the prefill waits, TTFT and each request (lengths spread over 8 · (1 ± 0.5))
+    for r in rows:
+        if r["mode"] == "live":
+            assert 0.0 <= r["prefill_stall_share"] < 1.0 and r["ttft_ms_mean"] > 0 and r["deferred_steps"] >= 0
+            assert {q["tokens"] for q in r["per_request"]} <= set(range(4, 13))
     live = {r["policy"]: r for r in rows if r["mode"] == "live"}
     assert set(live) == set(BASELINES) | {"adaptive"}
     assert {r["policy"] for r in rows if r["mode"] == "replay"} == set(BASELINES) - {"suffix"} | {"adaptive"}
@@ -171,4 +176,5 @@ def test_bench_policies_live_with_ar_suffix_and_best_static(tiny, tmp_path):
         assert ad["best_static"] == best["policy"] and ad["gain_vs_best_static"] == pytest.approx(c["goodput_ratio"])
     md = (out / "policies.md").read_text()
     assert md.index("best static configuration") < md.index("## Every row")
+    assert "8 · (1 ± 0.5); admission sla" in md and "| prefill stall share | TTFT ms |" in md
     assert (out / "policies.png").stat().st_size > 1000

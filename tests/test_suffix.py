@@ -273,6 +273,18 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                                                                                          [0, 1, 2, 2, 2]]
 
 
+def _observe_plain(policy, rows, n: int, seconds: float) -> None:
+    """Show ``policy`` ``n`` plain steps (no draft, one token per row) of ``seconds`` each."""
+    import torch
+
+    from workers.decisions import StepOutcome
+
+    B = rows.batch_size
+    for _ in range(n):
+        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                                         torch.zeros(B), seconds, B))
+
+
 def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     """A row meeting a 14.5 ms/token target and a row with a long confident copy, 2 ms per
     verified position: without the guard the copy takes its whole draft (a 30 ms step would put
@@ -284,7 +296,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState, StepOutcome
+    from workers.decisions import SUFFIX, RowState
 
     B = 2
     rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
@@ -296,10 +308,8 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     chosen = {}
     for guard in (False, True):
-        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=guard)
-        for _ in range(10):  # ten plain 14 ms steps: 140 ms for 10 tokens, within 14.5 ms/token
-            policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
-                                             torch.zeros(B), 0.014, B))
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=guard, sla_slack=1.0)
+        _observe_plain(policy, rows, 10, 0.014)  # 140 ms for 10 tokens, within 14.5 ms/token
         steps = policy.choose_steps(rows)
         assert steps.tolist() == [0, SUFFIX]
         chosen[guard] = int(policy._suffix_k[1])
@@ -308,7 +318,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     assert 1 <= chosen[True] <= 2
     # a row without a target never constrains
     free = dataclasses.replace(rows, targets=[None, None])
-    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True)
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
     policy.choose_steps(free)
     assert int(policy._suffix_k[1]) == chosen[False]
 
@@ -326,7 +336,7 @@ def test_sla_guard_looks_ahead_with_the_stalls_the_row_has_seen():
     from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState, StepOutcome
+    from workers.decisions import SUFFIX, RowState
 
     B = 2
     rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
@@ -340,10 +350,8 @@ def test_sla_guard_looks_ahead_with_the_stalls_the_row_has_seen():
     chosen = {}
     for clock in ("wall", "decode", "unguarded"):
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=clock != "unguarded",
-                                sla_clock="decode" if clock == "decode" else "wall")
-        for _ in range(10):  # ten 10 ms decode steps of one token each
-            policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
-                                             torch.zeros(B), 0.010, B))
+                                sla_clock="decode" if clock == "decode" else "wall", sla_slack=1.0)
+        _observe_plain(policy, rows, 10, 0.010)  # ten 10 ms decode steps of one token each
         assert policy.choose_steps(rows).tolist() == [0, SUFFIX]
         chosen[clock] = int(policy._suffix_k[1])
     # wall: 140 + 14 + 2k + 49 · (14 + 4) <= 17.4 · 60, so k <= 4 (now: 154 + 2k <= 191.4 allows 18)
@@ -351,12 +359,40 @@ def test_sla_guard_looks_ahead_with_the_stalls_the_row_has_seen():
     assert chosen["decode"] == chosen["unguarded"] >= 6
     # a row that cannot finish on target at the plan's pace does not constrain
     late = dataclasses.replace(rows, targets=[RequestTargets(tpot_ms=17.0), None])
-    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True)
-    for _ in range(10):
-        policy.observe(late, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
-                                         torch.zeros(B), 0.010, B))
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
+    _observe_plain(policy, late, 10, 0.010)
     policy.choose_steps(late)
     assert int(policy._suffix_k[1]) == chosen["unguarded"]
+
+
+def test_sla_guard_keeps_a_headroom_of_sla_slack():
+    """The guard keeps protected rows within ``sla_slack`` (0.9) times their target: a row that
+    finishes at the plan's 14 ms per token against a 14.5 ms target is on it, but without the 10 %
+    headroom (13.05 ms), so no copy may widen its steps; with ``sla_slack=1`` the copy takes its whole
+    draft, or nearly (100 + 14 + 2·8 ≤ 14.5 · 11 now, 800 + 2·8 ≤ 14.5 · 60 at the end)."""
+    import torch
+
+    from adapt.targets import RequestTargets
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    B = 2
+    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
+                    targets=[RequestTargets(tpot_ms=14.5), None], position=torch.full((B,), 100),
+                    generated=torch.full((B,), 10), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
+                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
+                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
+                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]))
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    taken = {}
+    for slack in (1.0, 0.9):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=slack)
+        _observe_plain(policy, rows, 10, 0.010)
+        steps = policy.choose_steps(rows)
+        taken[slack] = int(policy._suffix_k[1])
+        assert steps.tolist() == ([0, SUFFIX] if taken[slack] else [0, 0])
+    assert taken[1.0] >= 6 and taken[0.9] == 0
 
 
 def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():

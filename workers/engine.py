@@ -29,6 +29,7 @@ not depend on the rest of the batch.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import torch
 
 from kernels import RaggedLayout, Rule
 from kernels.rules import enforce_rules, exact_rules
+from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
@@ -82,7 +84,10 @@ class EngineConfig:
     anchor and k_r drafts) instead of the batch padded to its longest row (`TargetModel.forward`'s
     `packed`); auto = on for eager CPU engines, where the forward is compute-bound and padding
     costs as much as real positions (off when compiled: the compiled programs are padded);
-    prefills of prompts of unequal lengths are packed the same way."""
+    prefills of prompts of unequal lengths are packed the same way; admission: "all" | "sla",
+    which waiting requests a step prefills (workers/admission.py: "all" = every one there is a
+    slot for; "sla" = defer them while their prefill would push a running row off its TPOT
+    target, each for at most admission_max_wait_ms or its TTFT target)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -97,6 +102,8 @@ class EngineConfig:
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
     pack: bool | str = "auto"
+    admission: str = "all"
+    admission_max_wait_ms: float = 1000.0
 
 
 
@@ -112,6 +119,11 @@ class Engine:
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.compiled = resolve_compile(config.compile, self.device)
+        if config.admission not in ADMISSION_MODES:
+            raise EngineInputError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {config.admission!r}")
+        if not config.admission_max_wait_ms >= 0:
+            raise EngineInputError(f"admission_max_wait_ms must be >= 0, got {config.admission_max_wait_ms}")
+        self.admission = config.admission  # may be switched between runs (benchmarks)
         if config.pack not in (True, False, "auto", "on", "off"):
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
         self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
@@ -172,6 +184,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self.prefill_seconds = 0.0  # wall time spent in prefills so far (running rows wait meanwhile)
+        self.prefill_ms_per_token: float | None = None  # running average over this engine's prefills
+        self.deferred_steps = 0  # steps that left a waiting request waiting although a slot was free
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
 
@@ -255,7 +269,8 @@ class Engine:
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        req = RequestState(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen)
+        req = RequestState(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen,
+                           t_arrive=time.perf_counter())
         if self.suffix is not None:
             req.suffix_index = self.suffix.new_index(ids)
         self.requests[request_id] = req
@@ -315,7 +330,11 @@ class Engine:
         sample their first tokens. With packing (`EngineConfig.pack`), prompts of unequal lengths
         run the projections, MLPs and LM head on their own tokens only, not padded to the longest
         prompt (a mixed chat / code / edit batch had twice its real tokens padded)."""
-        new = [self.waiting.popleft() for _ in range(min(self.free_slots, len(self.waiting)))]
+        take = self._admit()
+        if take == 0:
+            self.deferred_steps += 1
+            return []
+        new = [self.waiting.popleft() for _ in range(take)]
         t0 = time.perf_counter()
         dev, m, row0 = self.device, len(new), len(self.running)
         P = max(len(r.prompt) for r in new)
@@ -347,8 +366,25 @@ class Engine:
             if reason is not None:
                 done.append(row0 + i)
         self._release(done)
-        self.prefill_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.prefill_seconds += took
+        ran = sum(lens_host) if pack or m == 1 else m * P  # the tokens this forward computed
+        per = 1e3 * took / ran
+        self.prefill_ms_per_token = per if self.prefill_ms_per_token is None else 0.5 * (self.prefill_ms_per_token + per)
         return outputs
+
+    def _admit(self) -> int:
+        """How many waiting requests this step prefills (`EngineConfig.admission`, workers/admission.py)."""
+        free = min(self.free_slots, len(self.waiting))
+        if self.admission == "all" or not self.running:
+            return free
+        now = time.perf_counter()
+        rows = [RowClock(getattr(r.targets, "effective_tpot_ms", None), 1e3 * (now - r.t_first),
+                         len(r.output) - 1, remaining(r, self.max_len)) for r in self.running]
+        waiting = [Waiting(len(r.prompt), 1e3 * (now - r.t_arrive), getattr(r.targets, "ttft_ms", None))
+                   for r in itertools.islice(self.waiting, free)]
+        return admit_count(waiting, rows, free, mode=self.admission, ms_per_token=self.prefill_ms_per_token,
+                           max_wait_ms=self.config.admission_max_wait_ms, packed=self.pack)
 
     def _batch(self, rows: RowState, steps: torch.Tensor, steps_host: list[int]) -> StepBatch:
         """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision maker chose."""

@@ -56,6 +56,7 @@ class RequestState:
     verified: int = 0
     tvd: float = 0.0
     recent_accept: float = RECENT_NONE
+    t_arrive: float = 0.0      # when it was added (perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0       # when its first token (the prefill's) was emitted
     t_last: float = 0.0

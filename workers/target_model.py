@@ -379,7 +379,9 @@ class TargetModel(nn.Module):
             heads = torch.arange(self.config.num_kv_heads, device=device)
             index = ((row0 + torch.arange(B, device=device))[:, None, None], heads[None, None], positions[:, :, None])
             cos, sin = self._rope(positions, T, x.dtype, device)  # [B, T, 1, d] each: cos, signed sin
-        mask = None if positions is None else causal_mask(positions, width, cache.k[0].dtype)  # the attention's dtype
+        mask = None  # a packed prefill's prompt_attention is causal by itself: no mask to build
+        if positions is not None and not (pack is not None and pack.prompts):
+            mask = causal_mask(positions, width, cache.k[0].dtype)  # the attention's dtype
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):

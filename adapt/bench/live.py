@@ -8,7 +8,10 @@ engine's per-request stats, the policy's own decision time, and where the rows' 
 (``source_share``: the share of decode row-steps that verified no draft, a diffusion draft or a
 suffix draft). ``prefill_stall_share`` is the share of the requests' time between their first
 and last tokens spent waiting for other requests' prefills (`Engine.prefill_seconds`), and
-``sla_attainment_without_stalls`` the attainment had those waits not counted. `collect_traces`
+``sla_attainment_without_stalls`` the attainment had those waits not counted; ``per_request``
+lists each finished request's target, TPOT, TTFT, stall per token and tokens; ``deferred_steps``
+counts the steps whose admission (`EngineConfig.admission`) left a request waiting by a free
+slot. `collect_traces`
 runs the `explore` policy the same way with a trace sink, which is how the bench gets
 replayable traces.
 
@@ -112,6 +115,7 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
     done: list[dict] = []
     sources = {"none": 0, "diffusion": 0, "suffix": 0}
     tag = f"{getattr(policy, 'name', 'p')}-c{scenario.concurrency}-{time.monotonic_ns() % 10**9}"
+    deferred0 = getattr(engine, "deferred_steps", 0)
     t_start = time.perf_counter()
     while queue or engine.has_unfinished():
         while queue and len(live) < scenario.concurrency:
@@ -147,6 +151,7 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
     tvd = 0.0
     passes = 0
     decode_s = stall_s = 0.0
+    per_request = []
     for d in done:
         target = d["spec"].targets.effective_tpot_ms
         tpot = 1e3 * (d["t_last"] - d["t_first"]) / max(d["tokens"] - 1, 1)
@@ -158,6 +163,9 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
         if d["spec"].targets.ttft_ms is not None:
             ok = ok and ttft <= d["spec"].targets.ttft_ms
         met += ok
+        per_request.append({"target_ms": target, "tpot_ms": round(tpot, 2), "ttft_ms": round(ttft, 1),
+                            "stall_ms_per_token": round(1e3 * stall / max(d["tokens"] - 1, 1), 2),
+                            "tokens": d["tokens"], "met": bool(ok)})
         tvd += float(d["stats"].get("tvd_spent", 0.0))
         passes += int(d["stats"].get("target_passes", 1))
     stats = policy.stats() if hasattr(policy, "stats") else {}
@@ -168,7 +176,9 @@ def run_live(engine, policy, scenario: Scenario, prompts: list[list[int]], *, se
             "tokens": tokens, "requests": len(done), "wall_s": wall,
             "prefill_stall_share": stall_s / max(decode_s, 1e-9),
             "sla_attainment_without_stalls": met_unstalled / max(len(done), 1),
-            "source_share": {k: v / row_steps for k, v in sources.items()}}
+            "ttft_ms_mean": sum(q["ttft_ms"] for q in per_request) / max(len(per_request), 1),
+            "deferred_steps": getattr(engine, "deferred_steps", 0) - deferred0,
+            "source_share": {k: v / row_steps for k, v in sources.items()}, "per_request": per_request}
 
 
 def collect_traces(engine, scenario: Scenario, prompts, sink, *, steps_grid=(1, 2), seed: int = 0) -> dict:

@@ -34,8 +34,12 @@ Steps, per workload:
 
 The mix (`adapt.replay.make_mix`): half greedy, half sampled (T = 0.8); sampled requests alternate
 lossless and ``tvd=0.1``; one in three has a tight TPOT target (the cost model's batch-1 step
-time with a full draft), the others a loose one (4×). All policies share the fitted predictor and
-cost model.
+time with a full draft), the others a loose one (4×); request lengths are spread evenly over
+``max_tokens · (1 ± 0.5)`` (``--length-spread``; with 0, equal lengths, autoregressive decoding
+runs in lockstep cohorts that never wait for another request's prefill, which real traffic does
+not allow). All policies share the fitted predictor and cost model. ``--admission sla`` runs the
+engine with SLA-aware admission (workers/admission.py) for every policy alike; the live rows
+report the share of decoding time spent waiting for other requests' prefills and the mean TTFT.
 
 Writes OUT/policies.json (a list of rows: policy, concurrency, goodput_tok_s, sla_attainment, tau,
 tvd_spent_per_token, decision_ms_per_step, plus workload, mode = live | replay and extras; the
@@ -90,6 +94,11 @@ def add_parser(subparsers) -> None:
                         "default: the pair's earlier prompts (labelled 'default')")
     p.add_argument("--workloads", default=None,
                    help="several workloads in one run, comma-separated, e.g. chat,edit (each: traces, replay, live)")
+    p.add_argument("--length-spread", type=float, default=0.5,
+                   help="requests ask for max_tokens * (1 +- spread) tokens, evenly spread (adapt.replay.make_mix; "
+                        "0 = equal lengths, where autoregressive decoding runs in lockstep cohorts)")
+    p.add_argument("--admission", default="all", choices=("all", "sla"),
+                   help="the engine's admission of waiting requests (workers/admission.py)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -231,15 +240,20 @@ def _src(r: dict) -> str:
     return f"{sh.get('none', 0):.2f} / {sh.get('diffusion', 0):.2f} / {sh.get('suffix', 0):.2f}"
 
 
+def _num(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
 def _table(rows: list[dict]) -> str:
     lines = ["| workload | mode | concurrency | policy | goodput tok/s | SLA | τ | TVD/token | decision ms/step | "
-             "drafts none / diffusion / suffix |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "drafts none / diffusion / suffix | prefill stall share | TTFT ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = lambda r: (r.get("workload", DEFAULT_WORKLOAD), r["mode"], r["concurrency"], r["policy"])  # noqa: E731
     for r in sorted(rows, key=order):
         lines.append(f"| {r.get('workload', DEFAULT_WORKLOAD)} | {r['mode']} | {r['concurrency']} | {r['policy']} | "
                      f"{r['goodput_tok_s']:.1f} | {r['sla_attainment']:.2f} | {r['tau']:.2f} | "
-                     f"{r['tvd_spent_per_token']:.4f} | {r['decision_ms_per_step']:.3f} | {_src(r)} |")
+                     f"{r['tvd_spent_per_token']:.4f} | {r['decision_ms_per_step']:.3f} | {_src(r)} | "
+                     f"{_num(r.get('prefill_stall_share'), '.2f')} | {_num(r.get('ttft_ms_mean'), '.0f')} |")
     return "\n".join(lines)
 
 
@@ -372,6 +386,9 @@ def run(args) -> int:
         cfg["max_tokens"] = args.max_tokens
     if args.rounds:
         cfg["rounds"] = max(1, args.rounds)
+    spread = args.length_spread
+    if not 0.0 <= spread < 1.0:
+        raise SystemExit(f"adapt bench policies: --length-spread: must be in [0, 1), got {spread}")
     t_begin = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}", flush=True)  # noqa: E731
 
@@ -386,8 +403,9 @@ def run(args) -> int:
         max_c = max(max(cfg["live_loads"]), max(cfg["trace_loads"]))
         rendered = kind == "smollm2" or any(w != DEFAULT_WORKLOAD for w in workloads)
         longest = chat_prompt_limit(cfg["prompt_len"]) if rendered else cfg["prompt_len"]
+        most = round(cfg["max_tokens"] * (1.0 + spread)) + 1  # the longest request of the mix
         engine = Engine(EngineConfig(target=target, drafter=drafter, device="auto", dtype="auto", max_batch=max_c,
-                                     max_len=longest + cfg["max_tokens"] + 8))
+                                     max_len=longest + most + 8, admission=args.admission))
         for w in workloads:
             prompts[w] = _prompts(kind, engine, 64, cfg["prompt_len"], args.seed, w)
             lens = [len(p) for p in prompts[w]]
@@ -478,7 +496,7 @@ def run(args) -> int:
     for w, wtable in replay_tables.items():
         pool = RecordPool(wtable, args.seed)
         for c in cfg["replay_loads"]:
-            mix = make_mix(cfg["replay_requests"], tight, loose, max_tokens=cfg["max_tokens"])
+            mix = make_mix(cfg["replay_requests"], tight, loose, max_tokens=cfg["max_tokens"], length_spread=spread)
             for name in replayed:
                 pool.rng = np.random.default_rng(args.seed)
                 m = replay(make(name), wtable, Scenario("mix", c, mix), pf.cost, seed=args.seed, pool=pool)
@@ -494,7 +512,7 @@ def run(args) -> int:
         live_policies = [p for p in BENCH_POLICIES if p != "suffix" or suffix_ok]
         for w in workloads:
             for c in cfg["live_loads"]:
-                mix = make_mix(cfg["live_requests"](c), tight, loose, max_tokens=cfg["max_tokens"])
+                mix = make_mix(cfg["live_requests"](c), tight, loose, max_tokens=cfg["max_tokens"], length_spread=spread)
                 warm = Scenario("warm", min(c, 4), mix[:4])
                 runs: dict[str, list[dict]] = {name: [] for name in live_policies}
                 n = len(live_policies)
@@ -528,7 +546,8 @@ def run(args) -> int:
         json.dump(comp, handle, indent=1)
     with open(out / "policies.md", "w", encoding="utf-8") as handle:
         handle.write(f"# adapt bench policies\n\npair: {kind}; workloads: {', '.join(workloads)}; "
-                     f"TPOT targets tight {tight:.1f} ms / loose {loose:.1f} ms\n\n")
+                     f"TPOT targets tight {tight:.1f} ms / loose {loose:.1f} ms; request lengths "
+                     f"{cfg['max_tokens']} · (1 ± {spread:g}); admission {args.admission}\n\n")
         handle.write("## Adaptive against the best static configuration\n\n"
                      "Best static = the highest-goodput non-adaptive baseline (" + ", ".join(BASELINES) +
                      ") at that workload, mode and load; `suffix` runs live only (a trace replay cannot "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from adapt.serving.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from adapt.commands import add_pair_arguments
+from workers.admission import ADMISSION_MODES
 from workers.request import COMPILE_CHOICES
 
 
@@ -43,6 +44,11 @@ def add_parser(subparsers) -> None:
                    help="compiled decode steps (workers/compiled.py): auto = off here, so workers serve within "
                         "seconds (compiling takes minutes per worker before it serves: docs/serving.md, 'Start-up'); "
                         "on = compile at start")
+    p.add_argument("--admission", default="all", choices=ADMISSION_MODES,
+                   help="which waiting requests a worker prefills (workers/admission.py): all = every one there is "
+                        "a slot for; sla = defer one while its prefill would push a running request off its TPOT "
+                        "target, for at most --admission-max-wait-ms or its own TTFT target")
+    p.add_argument("--admission-max-wait-ms", type=float, default=1000.0)
     p.add_argument("--default-max-tokens", type=int, default=64)
     p.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT target of requests that set none")
     p.add_argument("--default-quality", default="lossless", help="'lossless' or 'tvd=E' for requests that set none")
@@ -102,6 +108,8 @@ def run(args) -> int:
     model_name = args.model_name or f"adapt-{args.pair}"
     if args.num_workers < 1:
         raise SystemExit("--num-workers: must be >= 1")
+    if not args.admission_max_wait_ms >= 0:
+        raise SystemExit("--admission-max-wait-ms: must be >= 0")
     if args.max_queue < 0:
         raise SystemExit("--max-queue: must be >= 0")
     if args.max_body_bytes < 1:
@@ -115,7 +123,8 @@ def run(args) -> int:
         str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
         redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device, "compile": serve_compile(args.compile)},
+                        "device": args.device, "compile": serve_compile(args.compile), "admission": args.admission,
+                        "admission_max_wait_ms": args.admission_max_wait_ms},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, host=args.host, port=args.port,
