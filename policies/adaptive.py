@@ -513,8 +513,10 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
       - now: ``elapsed + t ≤ T · (n + e)``, and
       - at the end (with ``remaining`` [B], the tokens it may still emit): ``elapsed + t +
         (remaining − e) · pace ≤ T · (n + remaining)``, finishing at the plan's step time
-        plus the row's own stall per token so far (``stall_ms / n``: time outside decode steps,
-        other requests' prefills; 0 under the decode clock).
+        plus the batch's stall per token so far (``Σ stall_ms / Σ n`` over the rows: time outside
+        decode steps, other requests' prefills; 0 under the decode clock). The batch's rate, not
+        the row's own: one prefill early in a row's life would read as a stall of hundreds of ms
+        per token for the rest of it.
     A protected row (one that meets ``T`` = its target under the plan) must meet ``slack · T``
     under the candidate; with ``slack < 1`` a protected row already past ``slack · T`` under the
     plan rules out every widening step (the plan, column 0, stays the choice). Rows without a
@@ -525,8 +527,8 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
     pace = finish = left = None
     if remaining is not None:
         left = remaining.cpu().float()[:, None]                                       # [B, 1]
-        stall = ctx["stall_ms"].cpu()[:, None]
-        pace = ms[0] + stall / count.clamp_min(1.0)                                   # [B, 1] ms per later token
+        rate = ctx["stall_ms"].cpu().sum() / count.sum().clamp_min(1.0)               # [] stall ms per token
+        pace = ms[0] + rate                                                           # [] ms per later token
         finish = elapsed + ms[None, :] + (left - tokens).clamp_min(0.0) * pace        # [B, C]
 
     def meets(T: torch.Tensor) -> torch.Tensor:                                        # [B, C]

@@ -323,9 +323,10 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     assert int(policy._suffix_k[1]) == chosen[False]
 
 
-def test_sla_guard_looks_ahead_with_the_stalls_the_row_has_seen():
-    """Under the wall clock a row's stalls (time outside decode steps: other requests' prefills)
-    count in its pace to the end: 10 plain 10 ms steps took 140 ms of wall time, so the tight row
+def test_sla_guard_looks_ahead_with_the_batchs_stalls():
+    """Under the wall clock the batch's stalls (time outside decode steps: other requests'
+    prefills) count in a row's pace to the end: 10 plain 10 ms steps took 140 ms of wall time for
+    both rows (4 ms of stall per token), so the tight row
     (17.4 ms/token, 50 tokens left) finishes on target at the plan's 14 ms + 4 ms stall per token
     with 8 ms to spare, and the copy takes at most 4 drafts (2 ms each). Under the decode clock
     it sees no stalls and the copy takes what it takes unguarded."""
