@@ -76,7 +76,7 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
-                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = False, sla_clock: str = "wall",
+                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  **kwargs):
         super().__init__(**kwargs)
         self.sla_guard = bool(sla_guard)
