@@ -8,7 +8,9 @@ a rotated order; a row is its median-goodput round. Example (the stop-17 decisio
         --policy-file results/policies-demo-mixed-overhead/policy.json \
         --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
 
-Goodput, SLA attainment, decision ms per step, held share (adaptive), draft sources and (adaptive)
+``--admission all,sla`` runs every policy under each engine admission mode (workers/admission.py;
+rows named ``NAME+sla``). Goodput, SLA attainment, mean TTFT, the median round's requests
+(``per_request``), decision ms per step, held share (adaptive), draft sources and (adaptive)
 the suffix calibration (mean predicted against measured step ms of its suffix choices, per kind,
 `plan` or `wide`, and batch bucket; `AdaptivePolicy.stats`) are written as JSON, one row per
 (load, policy).

@@ -326,8 +326,8 @@ class Engine:
         return outputs
 
     def _prefill(self) -> list[RequestOutput]:
-        """Prefill waiting requests (as many as there are free slots) in one target forward and
-        sample their first tokens. With packing (`EngineConfig.pack`), prompts of unequal lengths
+        """Prefill waiting requests (as many as there are free slots and the admission lets in:
+        `_admit`) in one target forward and sample their first tokens. With packing (`EngineConfig.pack`), prompts of unequal lengths
         run the projections, MLPs and LM head on their own tokens only, not padded to the longest
         prompt (a mixed chat / code / edit batch had twice its real tokens padded)."""
         take = self._admit()
