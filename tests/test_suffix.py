@@ -273,6 +273,24 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                                                                                          [0, 1, 2, 2, 2]]
 
 
+def _tight_and_copy_rows(tpot_ms: float, generated: int, **extra):
+    """Two rows 100 tokens in, 50 to go: "tight" (TPOT target ``tpot_ms``, no suffix draft) and
+    "copy" (no target, a confident 8-token suffix draft over a 32-token match)."""
+    import torch
+
+    from adapt.targets import RequestTargets
+    from workers.decisions import RowState
+
+    B = 2
+    return RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
+                    targets=[RequestTargets(tpot_ms=tpot_ms), None], position=torch.full((B,), 100),
+                    generated=torch.full((B,), generated), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, packed_verify=True,
+                    suffix_len=torch.tensor([0, 8]), suffix_score=torch.tensor([0.0, 7.5]),
+                    suffix_match=torch.tensor([0, 32]), **extra)
+
+
 def _observe_plain(policy, rows, n: int, seconds: float) -> None:
     """Show ``policy`` ``n`` plain steps (no draft, one token per row) of ``seconds`` each."""
     import torch
@@ -291,20 +309,11 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     the first row over its target); with `sla_guard` it takes only what keeps that row within."""
     import dataclasses
 
-    import torch
-
-    from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import SUFFIX
 
-    B = 2
-    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
-                    targets=[RequestTargets(tpot_ms=14.5), None], position=torch.full((B,), 100),
-                    generated=torch.full((B,), 10), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
-                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
-                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
-                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]))
+    rows = _tight_and_copy_rows(14.5, generated=10)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     chosen = {}
     for guard in (False, True):
@@ -337,16 +346,9 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
     from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import SUFFIX
 
-    B = 2
-    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
-                    targets=[RequestTargets(tpot_ms=17.4), None], position=torch.full((B,), 100),
-                    generated=torch.full((B,), 11), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
-                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
-                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
-                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]),
-                    decode_ms=torch.tensor([140.0, 140.0]))
+    rows = _tight_and_copy_rows(17.4, generated=11, decode_ms=torch.tensor([140.0, 140.0]))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     chosen = {}
     for clock in ("wall", "decode", "unguarded"):
@@ -371,20 +373,11 @@ def test_sla_guard_keeps_a_headroom_of_sla_slack():
     finishes at the plan's 14 ms per token against a 14.5 ms target is on it, but without the 10 %
     headroom (13.05 ms), so no copy may widen its steps; with ``sla_slack=1`` the copy takes its whole
     draft, or nearly (100 + 14 + 2·8 ≤ 14.5 · 11 now, 800 + 2·8 ≤ 14.5 · 60 at the end)."""
-    import torch
-
-    from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import SUFFIX
 
-    B = 2
-    rows = RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
-                    targets=[RequestTargets(tpot_ms=14.5), None], position=torch.full((B,), 100),
-                    generated=torch.full((B,), 10), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
-                    tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
-                    has_drafter=False, packed_verify=True, suffix_len=torch.tensor([0, 8]),
-                    suffix_score=torch.tensor([0.0, 7.5]), suffix_match=torch.tensor([0, 32]))
+    rows = _tight_and_copy_rows(14.5, generated=10)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     taken = {}
     for slack in (1.0, 0.9):
