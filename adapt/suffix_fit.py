@@ -14,8 +14,9 @@ maximum-likelihood estimates from records with `accepted` = a of k are
 (later tokens accepted over later tokens accepted plus later rejections). The estimates are made
 non-decreasing in m (a longer match never predicts less; `monotone`); buckets with too few
 records fall back to the built-in ``m / (m + 3)``, clipped between their fitted neighbours,
-and too few later tokens to the bucket's pooled estimate ``Σ a / (Σ a + #[a < k])``. The table goes into the adaptive policy's settings
-(``suffix_accept``; policies/adaptive.py) and the fit report.
+and too few later tokens to the bucket's pooled estimate ``Σ a / (Σ a + #[a < k])``. The table
+goes into the adaptive policy's settings (``suffix_accept``; policies/adaptive.py) and the fit
+report.
 """
 
 from __future__ import annotations

@@ -524,7 +524,7 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
     does)."""
     target = ctx["tpot_ms"].cpu()[:, None]                                            # [B, 1] inf = none
     elapsed, count = ctx["elapsed_ms"].cpu()[:, None], ctx["tokens"].cpu()[:, None]   # [B, 1]
-    pace = finish = left = None
+    finish = left = None
     if remaining is not None:
         left = remaining.cpu().float()[:, None]                                       # [B, 1]
         rate = ctx["stall_ms"].cpu().sum() / count.sum().clamp_min(1.0)               # [] stall ms per token

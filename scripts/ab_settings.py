@@ -91,8 +91,9 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for n in order:
-                policy = make(n.partition("+")[0])
-                engine.admission = n.partition("+")[2] or "all"
+                name, _, mode = n.partition("+")
+                policy = make(name)
+                engine.admission = mode or "all"
                 run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
                 m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
                 st = policy.stats() if hasattr(policy, "stats") else {}
@@ -111,8 +112,7 @@ def main(argv=None) -> int:
                          "prefill_stall_share": round(statistics.mean(r["prefill_stall_share"] for r in runs[n]), 3),
                          "sla_without_stalls": round(statistics.mean(r["sla_attainment_without_stalls"]
                                                                      for r in runs[n]), 3),
-                         "ttft_ms_mean": round(statistics.mean(statistics.mean(q["ttft_ms"] for q in r["per_request"])
-                                                               for r in runs[n]), 1),
+                         "ttft_ms_mean": round(statistics.mean(r["ttft_ms_mean"] for r in runs[n]), 1),
                          "per_request": m["per_request"],
                          "suffix_calibration": m["suffix_calibration"]})
             print(json.dumps(rows[-1]), flush=True)

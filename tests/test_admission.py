@@ -64,8 +64,8 @@ def pair(tmp_path_factory):
 
 def _serve(engine, first_tokens: int, second_tokens: int):
     """A row with a (loose) TPOT target decodes; once it has emitted 6 tokens a second request
-    arrives. Returns the second request's id, the step it got its first token and the step the
-    first row finished."""
+    arrives. Returns the step the second request got its first token, the step the first row
+    finished, and both requests' tokens."""
     engine.add_request("a", [3, 5, 7, 9], SamplingParams(max_tokens=first_tokens, ignore_eos=True),
                        DecodeKnobs(steps=0, draft_len=0), targets=RequestTargets(tpot_ms=1e6))
     step, got, finished, added = 0, None, None, False

@@ -327,9 +327,10 @@ class Engine:
 
     def _prefill(self) -> list[RequestOutput]:
         """Prefill waiting requests (as many as there are free slots and the admission lets in:
-        `_admit`) in one target forward and sample their first tokens. With packing (`EngineConfig.pack`), prompts of unequal lengths
-        run the projections, MLPs and LM head on their own tokens only, not padded to the longest
-        prompt (a mixed chat / code / edit batch had twice its real tokens padded)."""
+        `_admit`) in one target forward and sample their first tokens. With packing
+        (`EngineConfig.pack`), prompts of unequal lengths run the projections, MLPs and LM head on
+        their own tokens only, not padded to the longest prompt (a mixed chat / code / edit batch
+        had twice its real tokens padded)."""
         take = self._admit()
         if take == 0:
             self.deferred_steps += 1
@@ -368,7 +369,7 @@ class Engine:
         self._release(done)
         took = time.perf_counter() - t0
         self.prefill_seconds += took
-        ran = sum(lens_host) if pack or m == 1 else m * P  # the tokens this forward computed
+        ran = sum(lens_host) if pack else m * P  # the tokens this forward computed
         per = 1e3 * took / ran
         self.prefill_ms_per_token = per if self.prefill_ms_per_token is None else 0.5 * (self.prefill_ms_per_token + per)
         return outputs

@@ -11,9 +11,8 @@ and last tokens spent waiting for other requests' prefills (`Engine.prefill_seco
 ``sla_attainment_without_stalls`` the attainment had those waits not counted; ``per_request``
 lists each finished request's target, TPOT, TTFT, stall per token and tokens; ``deferred_steps``
 counts the steps whose admission (`EngineConfig.admission`) left a request waiting by a free
-slot. `collect_traces`
-runs the `explore` policy the same way with a trace sink, which is how the bench gets
-replayable traces.
+slot. `collect_traces` runs the `explore` policy the same way with a trace sink, which is how the
+bench gets replayable traces.
 
 `KnobsBaseline` is a decision maker with fixed knobs for every row (the engine's own
 `StaticDecisions` on them): ``KnobsBaseline("ar", draft_len=0)`` never drafts,
