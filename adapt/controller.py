@@ -59,12 +59,15 @@ class DSparkSettings(_Settings):
 
 class SuffixAcceptTable(BaseModel):
     """Acceptance of suffix drafts by match length: each later token's (`accept`) and, optionally,
-    the first token's (`first`) (policies.adaptive.check_suffix_accept)."""
+    the first token's (`first`), and a scale per bucket of vote shares (`vote`, `vote_scale`)
+    (policies.adaptive.check_suffix_accept)."""
 
     model_config = ConfigDict(extra="forbid")
     match: list[int]
     accept: list[float]
     first: list[float] | None = None
+    vote: list[float] | None = None
+    vote_scale: list[float] | None = None
 
 
 class AdaptiveSettings(_Settings):
@@ -80,6 +83,7 @@ class AdaptiveSettings(_Settings):
     use_suffix: bool = Field(default=None)
     suffix_margin: float = Field(default=None)
     suffix_accept: SuffixAcceptTable = Field(default=None)
+    suffix_vote: bool = Field(default=None)
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
     sla_guard: bool = Field(default=None)

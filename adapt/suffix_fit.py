@@ -17,6 +17,17 @@ records fall back to the built-in ``m / (m + 3)``, clipped between their fitted 
 and too few later tokens to the bucket's pooled estimate ``Σ a / (Σ a + #[a < k])``. The table
 goes into the adaptive policy's settings (``suffix_accept``; policies/adaptive.py) and the fit
 report.
+
+**Vote shares.** Each drafted token carries the share of the draft's candidates that voted for it
+(workers/suffix.py; the trace's ``confidence`` of a suffix record). A contested token is a much
+worse bet than a unanimous one at the same match length (SmolLM2, mixed workload, stop 23: a
+first token at match 2 was accepted 0.10 of the time below a half share, 0.21 below 0.99 and
+0.58 at 1.0). The law is therefore per *slot*: slot j is accepted, given the slots before it
+were, with probability ``min(1, c(m) · s(v_j))`` (``c₁`` for the first), where ``s`` is a scale
+per bucket of vote shares (``VOTE_EDGES``), 1 for unanimous tokens and non-decreasing in the
+share. c and s are fitted together by alternating ratio estimates (each the accepted slots over
+the slots' predicted acceptance with the other held fixed; with every share in one bucket this is
+the estimate above). The report compares the per-slot log-loss with and without the scale.
 """
 
 from __future__ import annotations
@@ -29,35 +40,97 @@ EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower match-length edges of the bucke
 MIN_RECORDS = 20                         # fewer records in a bucket: the built-in prior
 
 
-def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_RECORDS) -> tuple[dict | None, dict]:
-    """(settings table ``{"match": [...], "first": [c₁ ...], "accept": [c ...]}`` or None when the
-    traces hold no suffix drafts, report {records, buckets: [{match, records, first, accept,
-    pooled, fitted}]})."""
-    rows = (table.steps == -1) & (table.draft_len > 0)
-    if not rows.any():
+VOTE_EDGES = (0.0, 0.5, 0.99)         # lower vote-share edges of the scale's buckets
+ROUNDS = 4                               # alternations of the c and s estimates
+
+
+def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
+    """Every slot a suffix draft's verification reached (the accepted ones and the first
+    rejection), flattened [S]: match length, whether it is the draft's first, its vote share,
+    whether it was accepted, and its record's index. None when the traces hold no suffix drafts."""
+    rows = np.flatnonzero((table.steps == -1) & (table.draft_len > 0))
+    if rows.size == 0:
+        return None
+    a, k = table.accepted[rows], table.draft_len[rows]
+    reached = np.minimum(a + 1, k)                                     # [R] slots verified up to the first rejection
+    rec = np.repeat(rows, reached)                                     # [S]
+    j = np.arange(int(reached.sum())) - np.repeat(np.cumsum(reached) - reached, reached)  # [S] slot index
+    vote = table.confidence[rec, np.minimum(j, table.confidence.shape[1] - 1)]
+    vote = np.where(j < table.confidence.shape[1], vote, 1.0)
+    return {"match": table.suffix_match[rec], "first": j == 0, "vote": vote.astype(np.float64),
+            "accepted": j < table.accepted[rec], "record": rec}
+
+
+def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_RECORDS,
+                      vote_edges=VOTE_EDGES) -> tuple[dict | None, dict]:
+    """(settings table ``{"match": [...], "first": [c₁ ...], "accept": [c ...], "vote": [...],
+    "vote_scale": [s ...]}`` or None when the traces hold no suffix drafts, report {records,
+    slots, buckets: [{match, records, first, accept, pooled, fitted}], votes: [{vote, slots,
+    observed, scale, fitted}], log_loss, log_loss_without_vote})."""
+    slots = suffix_slots(table)
+    if slots is None:
         return None, {"records": 0}
-    m, a, k = table.suffix_match[rows], table.accepted[rows], table.draft_len[rows]
-    bucket = np.searchsorted(np.asarray(edges), m, side="right") - 1
-    first, accept, report = [], [], {"records": int(rows.sum()), "buckets": []}
+    acc = slots["accepted"].astype(np.float64)
+    first = slots["first"]
+    bucket = np.searchsorted(np.asarray(edges), slots["match"], side="right") - 1       # [S]
+    vb = np.searchsorted(np.asarray(vote_edges), slots["vote"], side="right") - 1       # [S]
+    records = np.bincount(bucket[first], minlength=len(edges))                          # [E] drafts per bucket
+    later_n = np.bincount(bucket[~first], minlength=len(edges))
+    vote_n = np.bincount(vb, minlength=len(vote_edges))
+    fitted = records >= min_records
+    prior = np.array([lo / (lo + 3.0) for lo in edges])
+    scale = np.ones(len(vote_edges))
+    for _ in range(ROUNDS):
+        w = scale[vb]                                                                   # [S]
+        pooled = _ratio(acc, w, bucket, len(edges), prior)
+        c1 = np.where(fitted, _ratio(acc[first], w[first], bucket[first], len(edges), prior), prior)
+        c = _ratio(acc[~first], w[~first], bucket[~first], len(edges), prior)
+        c = np.where(fitted & (later_n >= min_records), c, np.where(fitted, pooled, prior))
+        c1, c = np.asarray(monotone(c1, fitted)), np.asarray(monotone(c, fitted))
+        base = np.where(first, c1[bucket], c[bucket])                                   # [S] without the scale
+        scale = vote_scale(_ratio(acc, base, vb, len(vote_edges), np.ones(len(vote_edges))), vote_n >= min_records)
+    pooled = _ratio(acc, np.ones_like(acc), bucket, len(edges), prior)
+    pred = np.minimum(base * scale[vb], 1.0)
+    report = {"records": int(records.sum()), "slots": int(acc.size), "buckets": [], "votes": [],
+              "log_loss": round(_log_loss(acc, pred), 4), "log_loss_without_vote": round(_log_loss(acc, base), 4)}
     for i, lo in enumerate(edges):
-        sel = bucket == i
-        n = int(sel.sum())
-        prior = lo / (lo + 3.0)
-        c1 = c = pooled = prior
-        if n >= min_records:
-            acc, rej = float(a[sel].sum()), float((a[sel] < k[sel]).sum())
-            pooled = acc / max(acc + rej, 1.0)
-            c1 = float((a[sel] >= 1).mean())
-            on = sel & (a >= 1) & (k >= 2)  # the later tokens: given the first was accepted
-            later_acc, later_rej = float((a[on] - 1).sum()), float((a[on] < k[on]).sum())
-            c = later_acc / (later_acc + later_rej) if later_acc + later_rej >= min_records else pooled
-        first.append(c1)
-        accept.append(c)
-        report["buckets"].append({"match": lo, "records": n, "first": round(c1, 4), "accept": round(c, 4),
-                                  "pooled": round(pooled, 4), "fitted": n >= min_records})
-    fitted = [b["fitted"] for b in report["buckets"]]
-    first, accept = monotone(first, fitted), monotone(accept, fitted)
-    return {"match": list(edges), "first": [round(c, 4) for c in first], "accept": [round(c, 4) for c in accept]}, report
+        report["buckets"].append({"match": lo, "records": int(records[i]), "first": round(float(c1[i]), 4),
+                                  "accept": round(float(c[i]), 4), "pooled": round(float(pooled[i]), 4),
+                                  "fitted": bool(fitted[i])})
+    for i, lo in enumerate(vote_edges):
+        sel = vb == i
+        report["votes"].append({"vote": lo, "slots": int(sel.sum()),
+                                "observed": round(float(acc[sel].mean()), 4) if sel.any() else None,
+                                "scale": round(float(scale[i]), 4), "fitted": bool(vote_n[i] >= min_records)})
+    out = {"match": list(edges), "first": [round(float(x), 4) for x in c1], "accept": [round(float(x), 4) for x in c],
+           "vote": [float(v) for v in vote_edges], "vote_scale": [round(float(x), 4) for x in scale]}
+    return out, report
+
+
+def _ratio(acc: np.ndarray, pred: np.ndarray, bucket: np.ndarray, n: int, default: np.ndarray) -> np.ndarray:
+    """[n] accepted slots over predicted acceptance per bucket (the ratio estimate); `default`
+    where a bucket has no slots."""
+    num = np.bincount(bucket, weights=acc, minlength=n)
+    den = np.bincount(bucket, weights=pred, minlength=n)
+    return np.where(den > 0, num / np.maximum(den, 1e-12), default)
+
+
+def vote_scale(raw: np.ndarray, fitted: np.ndarray) -> np.ndarray:
+    """Scales per vote bucket made non-decreasing in the share and 1 at the top: each bucket
+    without enough slots takes the nearest fitted bucket above it (1 above the last), a running
+    maximum orders them, and all are divided by the top bucket's."""
+    out = np.ones_like(raw)
+    nxt = 1.0
+    for i in range(len(raw) - 1, -1, -1):
+        nxt = raw[i] if fitted[i] else nxt
+        out[i] = nxt
+    out = np.maximum.accumulate(np.clip(out, 1e-3, None))
+    return np.minimum(out / out[-1], 1.0)
+
+
+def _log_loss(acc: np.ndarray, pred: np.ndarray) -> float:
+    p = np.clip(pred, 1e-4, 1 - 1e-4)
+    return float(-(acc * np.log(p) + (1 - acc) * np.log(1 - p)).mean())
 
 
 def monotone(values: list[float], fitted: list[bool]) -> list[float]:
@@ -118,11 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--traces", type=Path, default=None, help="also write the traces here (JSON Lines)")
+    p.add_argument("--from-traces", type=Path, default=None,
+                   help="fit from these traces (JSON Lines, e.g. an earlier --traces) instead of collecting new ones")
     args = p.parse_args(argv)
+    if args.from_traces is not None:
+        return _write_table(TraceTable.read(args.from_traces), args, source=str(args.from_traces))
     import torch
 
     from adapt.bench.workloads import make_workload
-    from adapt.policy_file import load, save
     from workers.chat import chat_prompt_ids
     from workers.pairs import get_pair
 
@@ -139,16 +215,26 @@ def main(argv=None) -> int:
     if args.traces:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text("".join(json.dumps(r) + "\n" for r in records))
-    table, report = fit_suffix_accept(TraceTable.from_records(records))
-    if table is None:
-        raise SystemExit("no suffix drafts in the collected traces")
+    return _write_table(TraceTable.from_records(records), args, source="collected")
+
+
+def _write_table(table: TraceTable, args, source: str) -> int:
+    """Fit the table on `table`'s suffix records and write it into ``args.policy_file``."""
+    import json
+
+    from adapt.policy_file import load, save
+
+    fitted, report = fit_suffix_accept(table)
+    if fitted is None:
+        raise SystemExit(f"no suffix drafts in the traces ({source})")
     policy = load(args.policy_file)
-    policy.settings = dict(policy.settings, suffix_accept=table)
+    policy.settings = dict(policy.settings, suffix_accept=fitted)
     policy.version, policy.created = "", 0.0  # a new version
     policy.report = dict(policy.report, suffix=dict(report, workloads=args.workloads, count=args.count,
-                                                     max_tokens=args.max_tokens, split="train"))
+                                                     max_tokens=args.max_tokens, split="train", traces=source))
     version = save(policy, args.policy_file)
-    print(json.dumps({"suffix_accept": table, "records": report["records"], "version": version}))
+    print(json.dumps({"suffix_accept": fitted, "records": report["records"], "log_loss": report["log_loss"],
+                      "log_loss_without_vote": report["log_loss_without_vote"], "version": version}))
     return 0
 
 

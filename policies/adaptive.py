@@ -32,8 +32,11 @@ positions ``≤ j`` (non-anticipating).
 Suffix drafts (every step, over the plan): rows may take their suffix draft (workers/suffix.py:
 tokens copied from text they have seen, free to make). With ``c₁`` the acceptance of its first
 token and ``c`` of each later one, by its match length (`suffix_accept`: a table fitted on traces,
-adapt/suffix_fit.py; ``m / (m + 3)`` for both without one), slot ``j`` of the draft is accepted
-with probability ``a_j = c₁ · c^(j−1)`` and verifying its first ``k`` tokens wins ``Σ_{j≤k} a_j``.
+adapt/suffix_fit.py; ``m / (m + 3)`` for both without one), scaled per token by its vote share
+``v_i`` (the share of the draft's candidates that voted for it: ``s(v_i)``, 1 when unanimous, a
+contested token a third as likely; the table's ``vote_scale``), slot ``j`` of the draft is
+accepted with probability ``a_j = Π_{i≤j} min(1, c_i · s(v_i))`` (``c_1 = c₁``, later ``c_i = c``;
+without vote shares ``c₁ · c^(j−1)``) and verifying its first ``k`` tokens wins ``Σ_{j≤k} a_j``.
 Where the target verifies the batch padded to its longest row (GPU), the policy picks one cap
 ``k_c`` for the batch: every row whose suffix draft beats its plan fills up to ``k_c`` slots
 (slots within the plan's own padding are free). Where it verifies each row's own positions
@@ -77,7 +80,7 @@ class AdaptivePolicy(Policy):
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 **kwargs):
+                 suffix_vote: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.sla_guard = bool(sla_guard)
         self.sla_clock = sla_clock
@@ -97,6 +100,7 @@ class AdaptivePolicy(Policy):
             raise ValueError(f"suffix_margin: must be >= 0, got {suffix_margin!r}")
         self.suffix_margin = float(suffix_margin)
         self.suffix_accept = check_suffix_accept(suffix_accept)
+        self.suffix_vote = bool(suffix_vote)  # read the drafts' vote shares (with the table's vote_scale)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
         # measured / predicted step time of steps that widened the batch for suffix drafts and of
         # steps that kept the plan (EMAs): the cost model's table misses what grows with context
@@ -253,10 +257,12 @@ class AdaptivePolicy(Policy):
         B = len(rows.request_ids)
         n = rows.suffix_len.cpu()                                                      # [B]
         Ks = int(n.max())
-        c1, c = suffix_accept_of(self.suffix_accept, rows.suffix_match.cpu())          # [B], [B]
-        j = torch.arange(Ks, dtype=torch.float32)                                      # [Ks] j − 1
+        vote = getattr(rows, "suffix_vote", None) if self.suffix_vote else None
+        cond = suffix_slot_accept(self.suffix_accept, rows.suffix_match.cpu(),         # [B, Ks] given the slots before
+                                  None if vote is None else vote.cpu()[:, :Ks], Ks)
+        j = torch.arange(Ks)                                                           # [Ks] j − 1
         w = self.weights(ctx).cpu()                                                    # [B]
-        slot = c1[:, None] * c[:, None] ** j[None] * (j[None] < n[:, None])            # [B, Ks] c₁·c^(j−1), 0 past the draft
+        slot = cond.cumprod(1) * (j[None] < n[:, None])                                # [B, Ks] accepted, 0 past the draft
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
@@ -559,21 +565,32 @@ def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> 
 
 def check_suffix_accept(table: dict | None) -> dict | None:
     """A fitted suffix acceptance table ``{"match": [m_0 < m_1 < ...], "accept": [c_0, c_1, ...],
-    "first": [c₁_0, c₁_1, ...]}`` checked (for match lengths >= m_i and < m_{i+1}: c₁_i the first
-    drafted token's acceptance, c_i each later token's given the ones before it; without
-    "first", c_i for every token: a geometric law); None = the built-in ``m / (m + 3)``."""
+    "first": [c₁_0, c₁_1, ...], "vote": [v_0 < v_1 < ...], "vote_scale": [s_0, s_1, ...]}``
+    checked (for match lengths >= m_i and < m_{i+1}: c₁_i the first drafted token's acceptance,
+    c_i each later token's given the ones before it; without "first", c_i for every token: a
+    geometric law; a token whose vote share is >= v_j and < v_{j+1} has its acceptance scaled by
+    s_j, capped at 1: adapt/suffix_fit.py); None = the built-in ``m / (m + 3)``."""
     if table is None:
         return None
     match, accept, first = table.get("match"), table.get("accept"), table.get("first")
+    vote, scale = table.get("vote"), table.get("vote_scale")
     if not (isinstance(match, list) and isinstance(accept, list) and match and len(match) == len(accept)):
         raise ValueError("suffix_accept: expected {'match': [...], 'accept': [...]} of equal, non-zero length")
     if first is not None and not (isinstance(first, list) and len(first) == len(match)):
         raise ValueError("suffix_accept: 'first' must be a list as long as 'match'")
     if any(b <= a for a, b in zip(match, match[1:])) or not all(0.0 <= c <= 1.0 for c in accept + (first or [])):
         raise ValueError("suffix_accept: match must increase and accept (first) lie in [0, 1]")
+    if (vote is None) != (scale is None):
+        raise ValueError("suffix_accept: 'vote' and 'vote_scale' come together")
+    if vote is not None and not (isinstance(vote, list) and isinstance(scale, list) and vote and len(vote) == len(scale)
+                                 and all(b > a for a, b in zip(vote, vote[1:]))
+                                 and all(0.0 <= x <= 1.0 for x in vote + scale)):
+        raise ValueError("suffix_accept: 'vote' must increase within [0, 1] and 'vote_scale' (in [0, 1]) be as long")
     out = {"match": [int(m) for m in match], "accept": [float(c) for c in accept]}
     if first is not None:
         out["first"] = [float(c) for c in first]
+    if vote is not None:
+        out["vote"], out["vote_scale"] = [float(v) for v in vote], [float(x) for x in scale]
     return out
 
 
@@ -589,3 +606,18 @@ def suffix_accept_of(table: dict | None, match: torch.Tensor) -> tuple[torch.Ten
     later = torch.tensor(table["accept"], dtype=torch.float32)[idx]
     first = torch.tensor(table["first"], dtype=torch.float32)[idx] if "first" in table else later
     return first, later
+
+
+def suffix_slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, Ks: int) -> torch.Tensor:
+    """[B, Ks] each slot's acceptance given the slots before it were accepted, for suffix drafts
+    with match lengths ``match`` [B] and vote shares ``vote`` [B, Ks] (or None): ``c₁`` for the
+    first slot, ``c`` for the later ones (`suffix_accept_of`), times the table's ``vote_scale`` of
+    each slot's share (when both the table and ``vote`` have them), capped at 1."""
+    c1, c = suffix_accept_of(table, match)                                             # [B], [B]
+    first = torch.arange(Ks)[None] == 0                                                # [1, Ks]
+    cond = torch.where(first, c1[:, None], c[:, None])                                 # [B, Ks]
+    if vote is None or table is None or "vote" not in table:
+        return cond
+    edges = torch.tensor(table["vote"], dtype=torch.float32)
+    idx = (torch.bucketize(vote.float(), edges, right=True) - 1).clamp(min=0)           # [B, Ks]
+    return (cond * torch.tensor(table["vote_scale"], dtype=torch.float32)[idx]).clamp(max=1.0)

@@ -273,6 +273,54 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                                                                                          [0, 1, 2, 2, 2]]
 
 
+def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one():
+    """Two rows with the same match length (4) and draft length (4): one draft's tokens are
+    unanimous, the other's first token had a third of the votes. With the fitted table's vote
+    scale the policy takes the first and declines the second, where every position costs 2 ms;
+    without vote shares both look alike and get the same length."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    B = 2
+    table = {"match": [2, 4], "first": [0.5, 0.8], "accept": [0.6, 0.85], "vote": [0.0, 0.5, 0.99],
+             "vote_scale": [0.15, 0.45, 1.0]}
+    rows = RowState(request_ids=["unanimous", "contested"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([4, 4]),
+                    suffix_score=torch.tensor([2.5, 0.6]), suffix_match=torch.tensor([4, 4]),
+                    suffix_vote=torch.tensor([[1.0, 1.0, 1.0, 1.0], [1 / 3, 1.0, 1.0, 1.0]]), packed_verify=True)
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=4.0)
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
+    assert policy.choose_steps(rows).tolist() == [SUFFIX, 0]
+    assert int(policy._suffix_k[0]) >= 2 and int(policy._suffix_k[1]) == 0
+    blind = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
+    blind.choose_steps(dataclasses.replace(rows, suffix_vote=None))
+    assert blind._suffix_k[0] == blind._suffix_k[1] > 0
+    off = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table, suffix_vote=False)
+    off.choose_steps(rows)  # the setting that ignores vote shares
+    assert off._suffix_k.tolist() == blind._suffix_k.tolist()
+
+
+def test_the_engine_hands_the_policy_each_suffix_drafts_vote_shares(target):
+    """RowState.suffix_vote holds each row's suffix draft's vote shares, 0 past its draft."""
+    engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=2, max_len=64))
+    engine.add_request("a", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
+    engine.add_request("b", [9, 9, 2, 7], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
+    engine.step()
+    rows = engine._row_state()
+    assert rows.suffix_vote is not None and rows.suffix_vote.shape == (2, int(rows.suffix_len.max()))
+    for i, req in enumerate(engine.running):
+        n = len(req.suffix_draft.tokens)
+        assert rows.suffix_vote[i, :n].tolist() == pytest.approx(req.suffix_draft.probs.tolist())
+        assert (rows.suffix_vote[i, n:] == 0).all()
+
+
 def _tight_and_copy_rows(tpot_ms: float, generated: int, **extra):
     """Two rows 100 tokens in, 50 to go: "tight" (TPOT target ``tpot_ms``, no suffix draft) and
     "copy" (no target, a confident 8-token suffix draft over a 32-token match)."""

@@ -9,17 +9,19 @@ from adapt.suffix_fit import EDGES, fit_suffix_accept
 from adapt.trace_data import TraceTable
 
 
-def suffix_records(rng, n, match, c, k=8, start=0, first=None):
+def suffix_records(rng, n, match, c, k=8, start=0, first=None, votes=None, scale=None):
     """n suffix-draft records of match length `match` whose first token is accepted w.p. `first`
-    (default c) and each later one w.p. c."""
+    (default c) and each later one w.p. c; with `votes` (shares to draw each token's from) and
+    `scale` (vote share -> factor), a token of share v is accepted w.p. min(1, that · scale[v])."""
     out = []
     for i in range(n):
+        conf = [float(rng.choice(votes)) for _ in range(k)] if votes else [1.0] * k
         a = 0
-        while a < k and rng.random() < (c if a or first is None else first):
+        while a < k and rng.random() < min(1.0, (c if a or first is None else first) * (scale[conf[a]] if scale else 1.0)):
             a += 1
         out.append({"request_id": f"s{start + i}", "step": start + i, "steps": -1, "draft_len": k, "rule": 0,
                     "temperature": 0.0, "accepted": a, "accept_flags": [1] * a + [0] * (k - a),
-                    "source": "suffix", "suffix_match": match, "confidence": [1.0] * 16})
+                    "source": "suffix", "suffix_match": match, "confidence": conf + [0.0] * (16 - k)})
     return out
 
 
@@ -74,6 +76,50 @@ def test_fit_separates_the_first_tokens_acceptance_from_the_later_ones():
     assert float(c1) == float(c) == pytest.approx(later[2])
     with pytest.raises(ValueError, match="first"):
         check_suffix_accept({"match": [2, 4], "accept": [0.5, 0.6], "first": [0.5]})
+
+
+def test_fit_recovers_the_scale_of_contested_tokens_and_the_policy_reads_it():
+    """Tokens with a third of the votes are accepted at 0.3x a unanimous token's rate, half-share
+    ones at 0.6x: the fit recovers c of the unanimous tokens and both scales (within sampling
+    noise), its per-slot log-loss beats the table without them, and the policy's slot
+    acceptance multiplies them in (capped at 1)."""
+    import torch
+
+    from policies.adaptive import check_suffix_accept, suffix_slot_accept
+
+    rng = np.random.default_rng(5)
+    scale = {1 / 3: 0.3, 0.5: 0.6, 1.0: 1.0}
+    records = (suffix_records(rng, 1500, 2, 0.8, votes=list(scale), scale=scale)
+               + suffix_records(rng, 800, 6, 0.9, start=1500, votes=list(scale), scale=scale))
+    table, report = fit_suffix_accept(TraceTable.from_records(records))
+    c = dict(zip(table["match"], table["accept"]))
+    assert abs(c[2] - 0.8) < 0.05 and abs(c[6] - 0.9) < 0.05
+    assert table["vote"] == [0.0, 0.5, 0.99]
+    assert table["vote_scale"][2] == 1.0
+    assert abs(table["vote_scale"][0] - 0.3) < 0.06 and abs(table["vote_scale"][1] - 0.6) < 0.08
+    assert report["log_loss"] < report["log_loss_without_vote"] - 0.02
+    assert [v["fitted"] for v in report["votes"]] == [True, True, True]
+
+    checked = check_suffix_accept(table)
+    vote = torch.tensor([[1.0, 1.0, 0.4], [0.4, 1.0, 0.0]])                        # [2, 3], 0 past the draft
+    cond = suffix_slot_accept(checked, torch.tensor([2, 6]), vote, 3)
+    c1 = dict(zip(table["match"], table["first"]))
+    assert cond[0].tolist() == pytest.approx([c1[2], c[2], c[2] * table["vote_scale"][0]])
+    assert cond[1, :2].tolist() == pytest.approx([c1[6] * table["vote_scale"][0], c[6]])
+    assert suffix_slot_accept(checked, torch.tensor([2]), None, 2)[0].tolist() == pytest.approx([c1[2], c[2]])
+    with pytest.raises(ValueError, match="come together"):
+        check_suffix_accept({"match": [2], "accept": [0.5], "vote": [0.0, 0.5]})
+    with pytest.raises(ValueError, match="vote"):
+        check_suffix_accept({"match": [2], "accept": [0.5], "vote": [0.5, 0.0], "vote_scale": [0.2, 1.0]})
+
+
+def test_one_vote_bucket_fits_as_before():
+    """Unanimous drafts only: the vote scale is all ones and c is the plain estimate."""
+    rng = np.random.default_rng(6)
+    table, report = fit_suffix_accept(TraceTable.from_records(suffix_records(rng, 800, 3, 0.7)))
+    assert table["vote_scale"] == [1.0, 1.0, 1.0]
+    assert abs(dict(zip(table["match"], table["accept"]))[3] - 0.7) < 0.05
+    assert report["log_loss"] == report["log_loss_without_vote"]
 
 
 def test_no_suffix_records_no_table():

@@ -59,8 +59,10 @@ class RowState:
     tvd_spent: total variation spent so far; remaining: tokens the row may still emit;
     block_size: the widest draft the engine verifies (the drafter's K; the suffix drafter's cap
     without a drafter; 0 = no drafting at all).
-    suffix_len / suffix_score / suffix_match: the row's suffix draft this step (tokens, expected
-    accepted tokens, match length; workers/suffix.py), None when not computed.
+    suffix_len / suffix_score / suffix_match / suffix_vote: the row's suffix draft this step
+    (tokens, expected accepted tokens, match length, each token's vote share: the share of the
+    draft's candidates that voted for it, 0 past the draft; workers/suffix.py), None when not
+    computed.
     packed_verify: the engine's verification forward costs each row's own positions (anchor +
     drafts: `EngineConfig.pack`) rather than every row padded to the longest draft.
     decode_ms: wall ms since each row's first token, at the start of this step: what a client's
@@ -82,6 +84,7 @@ class RowState:
     suffix_len: torch.Tensor | None = None    # [B] int64
     suffix_score: torch.Tensor | None = None  # [B] float32
     suffix_match: torch.Tensor | None = None  # [B] int64
+    suffix_vote: torch.Tensor | None = None   # [B, Ks] float32, Ks = the longest suffix draft
     packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
     decode_ms: torch.Tensor | None = None     # [B] float32 wall ms since the row's first token
 

@@ -573,9 +573,12 @@ class Engine:
         if self._wants_suffix():  # else no row may take a suffix draft this step (steps clamp to >= 0)
             for r in run:
                 r.suffix_draft = self.suffix.propose(r.suffix_index)
-            suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
-                          suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
-                          suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]))
+            lens = [len(r.suffix_draft.tokens) for r in run]
+            vote = torch.zeros(len(run), max(lens))                                  # [B, Ks]
+            for i, r in enumerate(run):
+                vote[i, : lens[i]] = torch.from_numpy(r.suffix_draft.probs)
+            suffix = dict(suffix_len=torch.tensor(lens), suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
+                          suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]), suffix_vote=vote)
         now = time.perf_counter()
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
