@@ -83,10 +83,12 @@ def admit_count(waiting: list[Waiting], rows: list[RowClock], free_slots: int, *
     most = min(free_slots, len(waiting))
     if mode == "all" or most == 0 or ms_per_token is None:
         return most  # no estimate yet (no prefill seen): admit
-    lens = [w.prompt_len for w in waiting[:most]]
     budget = stall_budget_ms(rows, max_wait_ms)
-    take = 0
-    while take < most and prefill_ms(lens[:take + 1], ms_per_token, packed) <= budget:
+    take = total = longest = 0  # the FIFO prefix's request count, token sum and longest prompt
+    for w in waiting[:most]:
+        total, longest = total + w.prompt_len, max(longest, w.prompt_len)
+        if ms_per_token * (total if packed else (take + 1) * longest) > budget:
+            break
         take += 1
     due = 0  # up to the last request whose deadline has come (FIFO: everyone before it goes too)
     for i, w in enumerate(waiting[:most]):
