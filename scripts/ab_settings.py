@@ -9,7 +9,11 @@ a rotated order; a row is its median-goodput round. Example (the stop-17 decisio
         --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
 
 ``--admission all,sla`` runs every policy under each engine admission mode (workers/admission.py;
-rows named ``NAME+sla``). Goodput, SLA attainment, mean TTFT, the median round's requests
+rows named ``NAME+sla``). Every adaptive row (and variant) also gets its **paired ratio**: in each
+round, its goodput over the best static row's (``ar``, ``suffix``) of the same round and
+admission mode, whose runs were minutes apart; ``paired_ratio`` is their median. The machine's
+speed drifts between rounds (one policy's rounds differed by up to 20 %), and a ratio within a
+round cancels most of that drift, where a ratio of per-policy medians does not. Goodput, SLA attainment, mean TTFT, the median round's requests
 (``per_request``), decision ms per step, held share (adaptive), draft sources and (adaptive)
 the suffix calibration (mean predicted against measured step ms of its suffix choices, per kind,
 `plan` or `wide`, and batch bucket; `AdaptivePolicy.stats`) are written as JSON, one row per
@@ -35,6 +39,18 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         settings[key.strip()] = json.loads(value)
     return name, settings
+
+
+STATIC = ("ar", "suffix")  # the static configurations every adaptive row is compared with
+
+
+def paired_ratios(runs: dict[str, list[dict]], name: str) -> list[float]:
+    """Per round, ``name``'s goodput over the best static policy's in the same round and
+    admission mode (``runs``: policy name -> its runs, in round order)."""
+    mode = name.partition("+")[2]
+    static = [s if not mode else f"{s}+{mode}" for s in STATIC]
+    return [r["goodput_tok_s"] / max(max(runs[s][i]["goodput_tok_s"] for s in static if s in runs), 1e-9)
+            for i, r in enumerate(runs[name])]
 
 
 def main(argv=None) -> int:
@@ -115,6 +131,10 @@ def main(argv=None) -> int:
                          "ttft_ms_mean": round(statistics.mean(r["ttft_ms_mean"] for r in runs[n]), 1),
                          "per_request": m["per_request"],
                          "suffix_calibration": m["suffix_calibration"]})
+            if n.partition("+")[0] not in STATIC:
+                ratios = paired_ratios(runs, n)
+                rows[-1].update(paired_ratio_rounds=[round(x, 3) for x in ratios],
+                                paired_ratio=round(statistics.median(ratios), 3))
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

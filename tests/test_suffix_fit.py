@@ -158,3 +158,34 @@ def test_collected_traces_through_the_engine_fit_a_table(tmp_path):
     table, report = fit_suffix_accept(TraceTable.from_records(records), min_records=5)
     assert table is not None and report["records"] == len(suffix)
     assert any(b["fitted"] for b in report["buckets"])
+
+
+def test_refit_from_saved_traces_writes_the_vote_scale_into_the_policy_file(tmp_path):
+    """`python -m adapt.suffix_fit --from-traces FILE` refits a policy file's table from saved
+    traces, vote scale and fit report included, without collecting new ones."""
+    import json
+
+    from adapt.commands.policy import fit_policy
+    from adapt.controller import build_policy
+    from adapt.policy_file import load, save
+    from adapt.suffix_fit import main
+    from tests.policy_fixtures import synthetic_records
+
+    rng = np.random.default_rng(7)
+    scale = {0.25: 0.2, 1.0: 1.0}
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps(r) + "\n" for r in suffix_records(rng, 600, 4, 0.8, votes=list(scale), scale=scale)))
+    path = tmp_path / "p.json"
+    save(fit_policy(synthetic_records(), policy="adaptive"), path)
+    before = load(path).version
+    assert main(["--policy-file", str(path), "--from-traces", str(traces)]) == 0
+    pf = load(path)
+    assert pf.version != before and pf.report["suffix"]["traces"] == str(traces)
+    table = pf.settings["suffix_accept"]
+    assert table["vote_scale"][0] < 0.4 and table["vote_scale"][-1] == 1.0
+    assert build_policy("adaptive", str(path)).suffix_accept["vote_scale"] == table["vote_scale"]
+    with pytest.raises(SystemExit, match="no suffix drafts"):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text(json.dumps({"request_id": "a", "step": 0, "steps": 1, "draft_len": 2, "rule": 0,
+                                     "temperature": 0.0, "accepted": 1, "accept_flags": [1, 0]}) + "\n")
+        main(["--policy-file", str(path), "--from-traces", str(empty)])

@@ -1,0 +1,50 @@
+"""scripts/ab_settings.py: the paired ratio, and a live A/B run on the demo pair."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("ab_settings", ROOT / "scripts" / "ab_settings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_ratio_compares_within_a_round():
+    """Round 1 is slow for everyone, round 2 fast: the adaptive row wins both rounds by 5 %
+    against the best static row of its own round, though its slow round is below the static
+    rows' fast one."""
+    ab = _script()
+    g = lambda *xs: [{"goodput_tok_s": x} for x in xs]  # noqa: E731
+    runs = {"ar": g(30.0, 40.0), "suffix": g(32.0, 38.0), "adaptive": g(33.6, 42.0),
+            "ar+sla": g(10.0, 10.0), "suffix+sla": g(10.0, 10.0), "adaptive+sla": g(9.0, 12.0)}
+    assert ab.paired_ratios(runs, "adaptive") == pytest.approx([1.05, 1.05])
+    assert ab.paired_ratios(runs, "adaptive+sla") == pytest.approx([0.9, 1.2])  # against its own mode
+
+
+def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
+    from adapt.commands.policy import fit_policy
+    from adapt.policy_file import save
+    from tests.policy_fixtures import synthetic_records
+
+    policy = tmp_path / "policy.json"
+    save(fit_policy(synthetic_records(), policy="adaptive"), policy)
+    out = tmp_path / "ab.json"
+    assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
+                           "--rounds", "2", "--max-tokens", "8", "--variant", "novote:suffix_vote=false",
+                           "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive", "novote"]
+    for r in rows:
+        assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0
+    for r in rows[2:]:
+        assert len(r["paired_ratio_rounds"]) == 2 and r["paired_ratio"] > 0
+    assert rows[3]["settings"] == {"suffix_vote": False}
