@@ -191,7 +191,8 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
     from policies.defaults import LinearCost
     from workers.decisions import SUFFIX, StepOutcome
 
-    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
+    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
+                            suffix_recalibrate=False)  # its steps accept nothing; this test is about cost
     B = 4
     rows = _confident_suffix_rows(B)
     assert (policy.choose_steps(rows) == SUFFIX).all()  # long confident matches, cheap slots: widen
@@ -447,7 +448,9 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     from policies.defaults import LinearCost
     from workers.decisions import SUFFIX, StepOutcome
 
-    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True)
+    # (the steps below accept nothing: acceptance recalibration off, this test is about cost)
+    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
+                            suffix_recalibrate=False)
     policy.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
     B = 4
     rows = _confident_suffix_rows(B)
@@ -458,3 +461,35 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
         policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
                                          took / 1e3, B * (k + 1)))
     assert abs(policy.suffix_cost_ratio["wide"] - 1.0) < 0.02
+
+
+def test_adaptive_policy_recalibrates_suffix_acceptance_online():
+    """Copies that win a third of what the table predicts pull `suffix_accept_ratio` towards
+    1/3, and the policy then prices the same draft at about a third of its table value and
+    declines it where it no longer pays; with `suffix_recalibrate=False` the ratio stays 1."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, StepOutcome
+
+    B = 4
+    rows = _confident_suffix_rows(B)
+    table = {"match": [2, 12], "first": [0.5, 0.9], "accept": [0.6, 0.9]}
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.5)
+    for recalibrate in (True, False):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table,
+                                suffix_recalibrate=recalibrate)
+        assert (policy.choose_steps(rows) == SUFFIX).all()
+        for _ in range(40):
+            steps = policy.choose_steps(rows)
+            expect = policy._suffix_expect.clone() if policy._suffix_expect is not None else torch.zeros(B)
+            won = (expect / 3).floor().long()  # a third of the table's prediction
+            policy.observe(rows, StepOutcome(won, policy._suffix_k.clone() if policy._suffix_k is not None
+                                             else torch.zeros(B, dtype=torch.int64), torch.zeros(B), 0.05, B))
+        ratio = policy.stats()["suffix_accept"]["ratio"]
+        if recalibrate:
+            assert 0.2 < ratio < 0.5 and policy.suffix_drafts > 0
+            assert (policy.choose_steps(rows) == 0).all()  # at a third of the value the copies no longer pay
+        else:
+            assert ratio == 1.0 and (policy.choose_steps(rows) == SUFFIX).all()
