@@ -74,6 +74,7 @@ from policies.static import rules_from
 
 SUFFIX_DECAY = 0.98   # per drafting step: the recalibration forgets over ~50 such steps
 SUFFIX_PRIOR = 8.0    # tokens at ratio 1 before any suffix draft is seen
+SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (half-life ~140 steps)
 
 
 class AdaptivePolicy(Policy):
@@ -323,7 +324,9 @@ class AdaptivePolicy(Policy):
     def suffix_accept_ratio(self) -> float:
         """Accepted over table-predicted tokens of the suffix drafts taken so far (sums decayed by
         `SUFFIX_DECAY` per drafting step, with a prior of `SUFFIX_PRIOR` tokens at ratio 1),
-        clipped to [0.25, 2]; 1 with ``suffix_recalibrate`` off. The table is fitted on one set of
+        clipped to [0.25, 2]; 1 with ``suffix_recalibrate`` off. Steps without suffix drafts decay
+        the sums too (`SUFFIX_IDLE_DECAY`), so a ratio that stopped all drafting returns towards 1
+        and drafts are retried on new evidence. The table is fitted on one set of
         prompts; on others a copy may run on less (or more) than it says. Measured on SmolLM2's
         edit workload at batch 1 (stop 23), the static table's drafts won fewer tokens than
         predicted and cost more than plain steps saved; the ratio scales every slot's
@@ -336,10 +339,10 @@ class AdaptivePolicy(Policy):
     def _learn_suffix_accept(self, outcome) -> None:
         """Add this step's suffix rows' accepted and table-predicted tokens to the decayed sums."""
         expect, self._suffix_expect = self._suffix_expect, None
-        if expect is None or len(outcome.accepted) != len(expect):
-            return
-        taken = expect > 0
-        if not bool(taken.any()):
+        taken = None if expect is None or len(outcome.accepted) != len(expect) else expect > 0
+        if taken is None or not bool(taken.any()):  # forget slowly: the ratio drifts back to 1, so drafts get retried
+            self.suffix_won *= SUFFIX_IDLE_DECAY
+            self.suffix_predicted *= SUFFIX_IDLE_DECAY
             return
         won = torch.as_tensor(outcome.accepted).cpu().float()[taken]
         self.suffix_won = SUFFIX_DECAY * self.suffix_won + float(won.sum())

@@ -491,5 +491,10 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
         if recalibrate:
             assert 0.2 < ratio < 0.5 and policy.suffix_drafts > 0
             assert (policy.choose_steps(rows) == 0).all()  # at a third of the value the copies no longer pay
+            for _ in range(600):  # plain steps: the evidence fades and the copies are retried
+                policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                                                 torch.zeros(B), 0.02, B))
+            assert policy.suffix_accept_ratio > 0.9
+            assert (policy.choose_steps(rows) == SUFFIX).all()
         else:
             assert ratio == 1.0 and (policy.choose_steps(rows) == SUFFIX).all()
