@@ -20,9 +20,9 @@ report.
 
 **Vote shares.** Each drafted token carries the share of the draft's candidates that voted for it
 (workers/suffix.py; the trace's ``confidence`` of a suffix record). A contested token is a much
-worse bet than a unanimous one at the same match length (SmolLM2, mixed workload, stop 23: a
-first token at match 2 was accepted 0.10 of the time below a half share, 0.21 below 0.99 and
-0.58 at 1.0). The law is therefore per *slot*: slot j is accepted, given the slots before it
+worse bet than a unanimous one at the same match length (SmolLM2, static suffix drafting on
+chat, code and edit prompts, the stop-20 traces: a first token at match 2 was accepted 0.10 of
+the time below a half share, 0.21 below 0.99 and 0.58 at 1.0). The law is therefore per *slot*: slot j is accepted, given the slots before it
 were, with probability ``min(1, c(m) · s(v_j))`` (``c₁`` for the first), where ``s`` is a scale
 per bucket of vote shares (``VOTE_EDGES``), 1 for unanimous tokens and non-decreasing in the
 share. c and s are fitted together by alternating ratio estimates (each the accepted slots over

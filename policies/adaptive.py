@@ -34,7 +34,8 @@ tokens copied from text they have seen, free to make). With ``c₁`` the accepta
 token and ``c`` of each later one, by its match length (`suffix_accept`: a table fitted on traces,
 adapt/suffix_fit.py; ``m / (m + 3)`` for both without one), scaled per token by its vote share
 ``v_i`` (the share of the draft's candidates that voted for it: ``s(v_i)``, 1 when unanimous, a
-contested token a third as likely; the table's ``vote_scale``), slot ``j`` of the draft is
+contested token a fifth to two-fifths as likely; the table's ``vote_scale``), and recalibrated
+online by what the drafts taken so far won (`suffix_accept_ratio`), slot ``j`` of the draft is
 accepted with probability ``a_j = Π_{i≤j} min(1, c_i · s(v_i))`` (``c_1 = c₁``, later ``c_i = c``;
 without vote shares ``c₁ · c^(j−1)``) and verifying its first ``k`` tokens wins ``Σ_{j≤k} a_j``.
 Where the target verifies the batch padded to its longest row (GPU), the policy picks one cap
@@ -212,9 +213,10 @@ class AdaptivePolicy(Policy):
     def stats(self) -> dict:
         out = super().stats()
         out["held_share"] = self.held_steps / max(self.steps_decided, 1)
+        # suffix drafts taken and the online recalibration of their acceptance (`suffix_accept_ratio`)
+        out["suffix_accept"] = {"drafts": self.suffix_drafts, "ratio": round(self.suffix_accept_ratio, 3)}
         # what each suffix choice predicted its step would take against what it took, per kind
         # (plan: no widening; wide: widened by suffix drafts) and batch bucket
-        out["suffix_accept"] = {"drafts": self.suffix_drafts, "ratio": round(self.suffix_accept_ratio, 3)}
         out["suffix_calibration"] = {f"{k}@{b}": {"steps": int(n), "predicted_ms": round(p / n, 2), "measured_ms": round(m / n, 2)}
                                      for (k, b), (n, p, m) in sorted(self.suffix_calibration.items()) if n}
         return out
@@ -273,8 +275,8 @@ class AdaptivePolicy(Policy):
                                   None if vote is None else vote.cpu()[:, :Ks], Ks)
         j = torch.arange(Ks)                                                           # [Ks] j − 1
         w = self.weights(ctx).cpu()                                                    # [B]
-        table = cond.cumprod(1) * (j[None] < n[:, None])                               # [B, Ks] accepted, 0 past the draft
-        slot = (table * self.suffix_accept_ratio).clamp(max=1.0)                       # recalibrated online
+        by_table = cond.cumprod(1) * (j[None] < n[:, None])                            # [B, Ks] accepted, 0 past the draft
+        slot = (by_table * self.suffix_accept_ratio).clamp(max=1.0)                    # recalibrated online
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
@@ -316,8 +318,8 @@ class AdaptivePolicy(Policy):
             return steps
         self._suffix_pred = (float(raw[best]), bool(wide[best]), float(fixed[best]), float(ms[best]))
         self._suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
-        by_table = torch.cat([torch.zeros(B, 1), table.cumsum(1)], 1).gather(1, self._suffix_k[:, None])[:, 0]
-        self._suffix_expect = torch.where(take[:, best], by_table, 0.0)                # [B] before recalibration
+        table_win = torch.cat([torch.zeros(B, 1), by_table.cumsum(1)], 1).gather(1, self._suffix_k[:, None])[:, 0]
+        self._suffix_expect = torch.where(take[:, best], table_win, 0.0)               # [B] before recalibration
         return torch.where(take[:, best], SUFFIX, steps)
 
     @property
