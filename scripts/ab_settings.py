@@ -16,7 +16,8 @@ speed drifts between rounds (one policy's rounds differed by up to 20 %), and a 
 round cancels most of that drift, where a ratio of per-policy medians does not. Goodput, SLA attainment, mean TTFT, the median round's requests
 (``per_request``), decision ms per step, held share (adaptive), draft sources and (adaptive)
 the suffix calibration (mean predicted against measured step ms of its suffix choices, per kind,
-`plan` or `wide`, and batch bucket; `AdaptivePolicy.stats`) are written as JSON, one row per
+`plan` or `wide`, and batch bucket) and suffix acceptance (drafts taken, the online ratio;
+`AdaptivePolicy.stats`) are written as JSON, one row per
 (load, policy).
 """
 
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
                 m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
                 st = policy.stats() if hasattr(policy, "stats") else {}
                 m["held_share"], m["suffix_calibration"] = st.get("held_share"), st.get("suffix_calibration")
+                m["suffix_accept"] = st.get("suffix_accept")
                 runs[n].append(m)
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
                                                                      for r in runs[n]), 3),
                          "ttft_ms_mean": round(statistics.mean(r["ttft_ms_mean"] for r in runs[n]), 1),
                          "per_request": m["per_request"],
-                         "suffix_calibration": m["suffix_calibration"]})
+                         "suffix_calibration": m["suffix_calibration"], "suffix_accept": m["suffix_accept"]})
             if n.partition("+")[0] not in STATIC:
                 ratios = paired_ratios(runs, n)
                 rows[-1].update(paired_ratio_rounds=[round(x, 3) for x in ratios],

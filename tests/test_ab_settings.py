@@ -48,3 +48,4 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     for r in rows[2:]:
         assert len(r["paired_ratio_rounds"]) == 2 and r["paired_ratio"] > 0
     assert rows[3]["settings"] == {"suffix_vote": False}
+    assert rows[0]["suffix_accept"] is None and set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}
