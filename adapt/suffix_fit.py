@@ -46,8 +46,8 @@ ROUNDS = 4                               # alternations of the c and s estimates
 
 def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
     """Every slot a suffix draft's verification reached (the accepted ones and the first
-    rejection), flattened [S]: match length, whether it is the draft's first, its vote share,
-    whether it was accepted, and its record's index. None when the traces hold no suffix drafts."""
+    rejection), flattened [S]: match length, whether it is the draft's first, its vote share and
+    whether it was accepted. None when the traces hold no suffix drafts."""
     rows = np.flatnonzero((table.steps == -1) & (table.draft_len > 0))
     if rows.size == 0:
         return None
@@ -55,10 +55,9 @@ def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
     reached = np.minimum(a + 1, k)                                     # [R] slots verified up to the first rejection
     rec = np.repeat(rows, reached)                                     # [S]
     j = np.arange(int(reached.sum())) - np.repeat(np.cumsum(reached) - reached, reached)  # [S] slot index
-    vote = table.confidence[rec, np.minimum(j, table.confidence.shape[1] - 1)]
-    vote = np.where(j < table.confidence.shape[1], vote, 1.0)
+    vote = table.confidence[rec, j]                                   # [S] (draft_len <= K_MAX: checked on reading)
     return {"match": table.suffix_match[rec], "first": j == 0, "vote": vote.astype(np.float64),
-            "accepted": j < table.accepted[rec], "record": rec}
+            "accepted": j < table.accepted[rec]}
 
 
 def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_RECORDS,

@@ -13,12 +13,13 @@ rows named ``NAME+sla``). Every adaptive row (and variant) also gets its **paire
 round, its goodput over the best static row's (``ar``, ``suffix``) of the same round and
 admission mode, whose runs were minutes apart; ``paired_ratio`` is their median. The machine's
 speed drifts between rounds (one policy's rounds differed by up to 20 %), and a ratio within a
-round cancels most of that drift, where a ratio of per-policy medians does not. Goodput, SLA attainment, mean TTFT, the median round's requests
-(``per_request``), decision ms per step, held share (adaptive), draft sources and (adaptive)
-the suffix calibration (mean predicted against measured step ms of its suffix choices, per kind,
-`plan` or `wide`, and batch bucket) and suffix acceptance (drafts taken, the online ratio;
-`AdaptivePolicy.stats`) are written as JSON, one row per
-(load, policy).
+round cancels most of that drift, where a ratio of per-policy medians does not.
+
+Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
+per step, held share (adaptive), draft sources and (adaptive) the suffix calibration (mean
+predicted against measured step ms of its suffix choices, per kind, `plan` or `wide`, and batch
+bucket) and suffix acceptance (drafts taken, the online ratio; `AdaptivePolicy.stats`) are
+written as JSON, one row per (load, policy).
 """
 
 from __future__ import annotations
@@ -114,8 +115,7 @@ def main(argv=None) -> int:
                 run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
                 m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
                 st = policy.stats() if hasattr(policy, "stats") else {}
-                m["held_share"], m["suffix_calibration"] = st.get("held_share"), st.get("suffix_calibration")
-                m["suffix_accept"] = st.get("suffix_accept")
+                m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept")})
                 runs[n].append(m)
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])

@@ -309,13 +309,14 @@ def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one(
 
 
 def test_the_engine_hands_the_policy_each_suffix_drafts_vote_shares(target):
-    """RowState.suffix_vote holds each row's suffix draft's vote shares, 0 past its draft."""
+    """RowState.suffix_vote holds each row's suffix draft's vote shares, 0 past its draft, padded
+    to the engine's width (`workers.drafting.suffix_drafts`)."""
     engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=2, max_len=64))
     engine.add_request("a", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
     engine.add_request("b", [9, 9, 2, 7], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
     engine.step()
     rows = engine._row_state()
-    assert rows.suffix_vote is not None and rows.suffix_vote.shape == (2, int(rows.suffix_len.max()))
+    assert rows.suffix_vote is not None and rows.suffix_vote.shape == (2, engine.width)
     for i, req in enumerate(engine.running):
         n = len(req.suffix_draft.tokens)
         assert rows.suffix_vote[i, :n].tolist() == pytest.approx(req.suffix_draft.probs.tolist())

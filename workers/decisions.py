@@ -84,7 +84,7 @@ class RowState:
     suffix_len: torch.Tensor | None = None    # [B] int64
     suffix_score: torch.Tensor | None = None  # [B] float32
     suffix_match: torch.Tensor | None = None  # [B] int64
-    suffix_vote: torch.Tensor | None = None   # [B, Ks] float32, Ks = the longest suffix draft
+    suffix_vote: torch.Tensor | None = None   # [B, W] float32, W >= the longest suffix draft
     packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
     decode_ms: torch.Tensor | None = None     # [B] float32 wall ms since the row's first token
 

@@ -43,7 +43,7 @@ from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
-from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step
+from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
 from workers.linear import WIDE_ROWS, prepare_for_inference
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import probabilities, race_sample
@@ -573,11 +573,9 @@ class Engine:
         if self._wants_suffix():  # else no row may take a suffix draft this step (steps clamp to >= 0)
             for r in run:
                 r.suffix_draft = self.suffix.propose(r.suffix_index)
-            lens = [len(r.suffix_draft.tokens) for r in run]
-            vote = torch.zeros(len(run), max(lens))                                  # [B, Ks]
-            for i, r in enumerate(run):
-                vote[i, : lens[i]] = torch.from_numpy(r.suffix_draft.probs)
-            suffix = dict(suffix_len=torch.tensor(lens), suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
+            _, vote = suffix_drafts(run, [SUFFIX] * len(run), self.width)            # [B, K] vote shares
+            suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
+                          suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
                           suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]), suffix_vote=vote)
         now = time.perf_counter()
         return RowState(
