@@ -35,7 +35,8 @@ token and ``c`` of each later one, by its match length (`suffix_accept`: a table
 adapt/suffix_fit.py; ``m / (m + 3)`` for both without one), scaled per token by its vote share
 ``v_i`` (the share of the draft's candidates that voted for it: ``s(v_i)``, 1 when unanimous, a
 contested token a fifth to two-fifths as likely; the table's ``vote_scale``), and recalibrated
-online by what the drafts taken so far won (`suffix_accept_ratio`), slot ``j`` of the draft is
+online by what the drafts taken so far won (`suffix_accept_ratio`; and by what each request's own
+drafts won, `suffix_row_ratio`), slot ``j`` of the draft is
 accepted with probability ``a_j = Π_{i≤j} min(1, c_i · s(v_i))`` (``c_1 = c₁``, later ``c_i = c``;
 without vote shares ``c₁ · c^(j−1)``) and verifying its first ``k`` tokens wins ``Σ_{j≤k} a_j``.
 Where the target verifies the batch padded to its longest row (GPU), the policy picks one cap
@@ -76,6 +77,7 @@ from policies.static import rules_from
 SUFFIX_DECAY = 0.98   # per drafting step: the recalibration forgets over ~50 such steps
 SUFFIX_PRIOR = 8.0    # tokens at ratio 1 before any suffix draft is seen
 SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (half-life ~140 steps)
+SUFFIX_ROW_PRIOR = 4.0  # tokens at the global ratio before a request's own suffix drafts count
 
 
 class AdaptivePolicy(Policy):
@@ -86,7 +88,8 @@ class AdaptivePolicy(Policy):
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 suffix_vote: bool = True, suffix_recalibrate: bool = True, **kwargs):
+                 suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = True,
+                 **kwargs):
         super().__init__(**kwargs)
         self.sla_guard = bool(sla_guard)
         self.sla_clock = sla_clock
@@ -110,6 +113,7 @@ class AdaptivePolicy(Policy):
         # online recalibration of suffix acceptance (see `suffix_accept_ratio`): decayed sums of the
         # tokens the taken suffix drafts won and of what the table predicted they would
         self.suffix_recalibrate = bool(suffix_recalibrate)
+        self.suffix_per_request = bool(suffix_per_request)  # each request's own drafts move its ratio too
         self.suffix_won, self.suffix_predicted, self.suffix_drafts = 0.0, 0.0, 0
         self._suffix_expect = None  # [B] this step's table-predicted accepted tokens per suffix row (0: none)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
@@ -276,7 +280,7 @@ class AdaptivePolicy(Policy):
         j = torch.arange(Ks)                                                           # [Ks] j − 1
         w = self.weights(ctx).cpu()                                                    # [B]
         by_table = cond.cumprod(1) * (j[None] < n[:, None])                            # [B, Ks] accepted, 0 past the draft
-        slot = (by_table * self.suffix_accept_ratio).clamp(max=1.0)                    # recalibrated online
+        slot = (by_table * self.suffix_row_ratio(ctx)[:, None]).clamp(max=1.0)         # recalibrated online
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
@@ -338,18 +342,40 @@ class AdaptivePolicy(Policy):
         r = (self.suffix_won + SUFFIX_PRIOR) / (self.suffix_predicted + SUFFIX_PRIOR)
         return min(max(r, 0.25), 2.0)
 
-    def _learn_suffix_accept(self, outcome) -> None:
-        """Add this step's suffix rows' accepted and table-predicted tokens to the decayed sums."""
+    def suffix_row_ratio(self, ctx) -> torch.Tensor:
+        """[B] the recalibration each row's suffix slots get: `suffix_accept_ratio` (every
+        request's drafts), and with ``suffix_per_request`` the row's own evidence on top,
+        ``(won_r + P · g) / (predicted_r + P)`` clipped to [0.25, 2] (``g`` the global ratio, ``P``
+        = `SUFFIX_ROW_PRIOR` tokens, the row's sums decayed like the global ones,
+        `RequestBook.observe_suffix`). Requests differ more than prompts of one kind do: on the
+        mixed workload an edit answer's copies run on where a chat answer's rarely do, and one
+        global ratio carried from request to request prices the next one by the last ones."""
+        g = self.suffix_accept_ratio
+        won = ctx["suffix_won"].cpu()                                                  # [B]
+        if not (self.suffix_recalibrate and self.suffix_per_request):
+            return torch.full_like(won, g)
+        r = (won + SUFFIX_ROW_PRIOR * g) / (ctx["suffix_predicted"].cpu() + SUFFIX_ROW_PRIOR)
+        return r.clamp(0.25, 2.0)
+
+    def _learn_suffix_accept(self, rows, outcome) -> None:
+        """Add this step's suffix rows' accepted and table-predicted tokens to the decayed sums
+        (the policy's and each request's)."""
         expect, self._suffix_expect = self._suffix_expect, None
-        taken = None if expect is None or len(outcome.accepted) != len(expect) else expect > 0
+        B = len(outcome.accepted)
+        taken = None if expect is None or B != len(expect) else expect > 0
         if taken is None or not bool(taken.any()):  # forget slowly: the ratio drifts back to 1, so drafts get retried
             self.suffix_won *= SUFFIX_IDLE_DECAY
             self.suffix_predicted *= SUFFIX_IDLE_DECAY
+            if self.suffix_per_request and B == len(rows.request_ids):
+                none = torch.zeros(B, dtype=torch.bool)
+                self.book.observe_suffix(rows, none, torch.zeros(B), torch.zeros(B), SUFFIX_DECAY, SUFFIX_IDLE_DECAY)
             return
-        won = torch.as_tensor(outcome.accepted).cpu().float()[taken]
-        self.suffix_won = SUFFIX_DECAY * self.suffix_won + float(won.sum())
+        won = torch.as_tensor(outcome.accepted).cpu().float()                         # [B]
+        self.suffix_won = SUFFIX_DECAY * self.suffix_won + float(won[taken].sum())
         self.suffix_predicted = SUFFIX_DECAY * self.suffix_predicted + float(expect[taken].sum())
         self.suffix_drafts += int(taken.sum())
+        if self.suffix_per_request:
+            self.book.observe_suffix(rows, taken, won, expect, SUFFIX_DECAY, SUFFIX_IDLE_DECAY)
 
     def draft_overhead_at(self, batch: int) -> float:
         """The fixed extra ms of a step of `batch` rows that verifies drafts over one that does
@@ -396,7 +422,7 @@ class AdaptivePolicy(Policy):
             key = ("draft" if drafted else "plain", batch_bucket(self._batch))
             r, prev = measured - predicted, self.step_residual.get(key)
             self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
-        self._learn_suffix_accept(outcome)
+        self._learn_suffix_accept(rows, outcome)
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
             chosen_ms, wide, fixed_ms, predicted_ms = self._suffix_pred
             self._suffix_pred = None

@@ -15,6 +15,10 @@ admission mode, whose runs were minutes apart; ``paired_ratio`` is their median.
 speed drifts between rounds (one policy's rounds differed by up to 20 %), and a ratio within a
 round cancels most of that drift, where a ratio of per-policy medians does not.
 
+``--interleave`` runs each round's rows side by side instead (adapt/bench/interleave.py): one
+engine per policy, the runs taking turns one engine step at a time, each timed by a clock that
+runs only during its own turns, so that every row of a round meets the same drift.
+
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
 per step, held share (adaptive), draft sources and (adaptive) the suffix calibration (mean
 predicted against measured step ms of its suffix choices, per kind, `plan` or `wide`, and batch
@@ -71,12 +75,16 @@ def main(argv=None) -> int:
                         "each, named NAME+MODE for modes other than 'all'")
     p.add_argument("--admission-max-wait-ms", type=float, default=1000.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--interleave", action="store_true",
+                   help="one engine per policy, all runs of a round taking turns step by step, each timed by "
+                        "its own clock (adapt/bench/interleave.py): the machine's drift is shared by every row")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
     import torch
 
     from adapt.bench.live import run_live
+    from adapt.bench.interleave import run_interleaved
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.policy_file import load
@@ -99,24 +107,39 @@ def main(argv=None) -> int:
         return make_policy(name, pf, steps_grid=grid, width=K)
 
     modes = [m.strip() for m in args.admission.split(",") if m.strip()]
-    engine.config.admission_max_wait_ms = args.admission_max_wait_ms
     base = ["ar", "suffix", "adaptive", *variants]
     names = [n if m == "all" else f"{n}+{m}" for m in modes for n in base]
     rows = []
+    # interleaved: an engine per policy (each with its own model copy); else one engine, runs in turn
+    engines = {n: engine if i == 0 or not args.interleave else workload_engine(args.pair, args.workload, max(loads),
+                                                                            longest)[0]
+               for i, n in enumerate(names)}
+    for e in engines.values():
+        e.config.admission_max_wait_ms = args.admission_max_wait_ms
+
+    def finish(n, policy, m):
+        st = policy.stats() if hasattr(policy, "stats") else {}
+        m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept")})
+        runs[n].append(m)
+
     for c in loads:
         mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
         runs = {n: [] for n in names}
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
+            made = {}
             for n in order:
                 name, _, mode = n.partition("+")
-                policy = make(name)
-                engine.admission = mode or "all"
-                run_live(engine, policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
-                m = run_live(engine, policy, Scenario("mix", c, mix), prompts)
-                st = policy.stats() if hasattr(policy, "stats") else {}
-                m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept")})
-                runs[n].append(m)
+                made[n] = policy = make(name)
+                engines[n].admission = mode or "all"
+                run_live(engines[n], policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
+                if not args.interleave:
+                    finish(n, policy, run_live(engines[n], policy, Scenario("mix", c, mix), prompts))
+            if args.interleave:
+                measured = run_interleaved([engines[n] for n in order], [made[n] for n in order],
+                                        Scenario("mix", c, mix), prompts)
+                for n, m in zip(order, measured):
+                    finish(n, made[n], m)
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]

@@ -49,3 +49,24 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
         assert len(r["paired_ratio_rounds"]) == 2 and r["paired_ratio"] > 0
     assert rows[3]["settings"] == {"suffix_vote": False}
     assert rows[0]["suffix_accept"] is None and set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}
+
+
+def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
+    """``--interleave``: the rows of a round run side by side (adapt/bench/interleave.py), each on its
+    own engine, and carry the same fields as runs made one after another."""
+    from adapt.commands.policy import fit_policy
+    from adapt.policy_file import save
+    from tests.policy_fixtures import synthetic_records
+
+    policy = tmp_path / "policy.json"
+    save(fit_policy(synthetic_records(), policy="adaptive"), policy)
+    out = tmp_path / "ab.json"
+    assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
+                           "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
+                           "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive"]
+    for r in rows:
+        assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0 and 0.0 <= r["sla_attainment"] <= 1.0
+    assert len(rows[2]["paired_ratio_rounds"]) == 2 and rows[2]["paired_ratio"] > 0
+    assert set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}

@@ -499,3 +499,40 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
             assert (policy.choose_steps(rows) == SUFFIX).all()
         else:
             assert ratio == 1.0 and (policy.choose_steps(rows) == SUFFIX).all()
+
+
+def test_adaptive_policy_recalibrates_suffix_acceptance_per_request():
+    """Two requests whose copies win every drafted token and two whose copies win nothing, in one
+    packed batch: each request's own ratio (`suffix_row_ratio`) moves its own way from the global
+    one, so the policy keeps drafting the copies that run on and stops drafting the ones that do
+    not. With ``suffix_per_request=False`` every row shares the global ratio and gets the same
+    decision."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, StepOutcome
+
+    B = 4
+    rows = dataclasses.replace(_confident_suffix_rows(B), packed_verify=True)
+    table = {"match": [2, 12], "first": [0.5, 0.9], "accept": [0.6, 0.9]}
+    runs_on = torch.tensor([True, True, False, False])
+    for per_request in (True, False):
+        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=2.5), online_cost=False, hold_max=0,
+                                suffix_accept=table, suffix_per_request=per_request)
+        for _ in range(12):
+            policy.choose_steps(rows)
+            k = policy._suffix_k.clone() if policy._suffix_k is not None else torch.zeros(B, dtype=torch.int64)
+            won = torch.where(runs_on, k, 0)
+            policy.observe(rows, StepOutcome(won, k, torch.zeros(B), 0.05, int(B + k.sum())))
+        steps = policy.choose_steps(rows)
+        ratio = policy.suffix_row_ratio(policy._ctx(rows, "cpu"))
+        if per_request:
+            g = policy.suffix_accept_ratio  # mostly the winners' evidence: they kept drafting
+            assert bool((ratio[:2] > g).all()) and bool((ratio[2:] < 0.7 * g).all())
+            assert steps.tolist() == [SUFFIX, SUFFIX, 0, 0]
+        else:
+            assert torch.allclose(ratio, torch.full((B,), policy.suffix_accept_ratio))
+            assert len(set(steps.tolist())) == 1

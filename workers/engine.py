@@ -124,6 +124,10 @@ class Engine:
         if not config.admission_max_wait_ms >= 0:
             raise EngineInputError(f"admission_max_wait_ms must be >= 0, got {config.admission_max_wait_ms}")
         self.admission = config.admission  # may be switched between runs (benchmarks)
+        # seconds (monotonic) for every time the engine takes: arrivals, first tokens, step and
+        # prefill times, the rows' decode time; a benchmark may swap in a clock that runs only
+        # while this engine steps (adapt/bench/interleave.py)
+        self.clock = time.perf_counter
         if config.pack not in (True, False, "auto", "on", "off"):
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
         self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
@@ -270,7 +274,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             gen = torch.Generator(device=self.device).manual_seed(seed)
         req = RequestState(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen,
-                           t_arrive=time.perf_counter())
+                           t_arrive=self.clock())
         if self.suffix is not None:
             req.suffix_index = self.suffix.new_index(ids)
         self.requests[request_id] = req
@@ -336,7 +340,7 @@ class Engine:
             self.deferred_steps += 1
             return []
         new = [self.waiting.popleft() for _ in range(take)]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         dev, m, row0 = self.device, len(new), len(self.running)
         P = max(len(r.prompt) for r in new)
         ids = torch.tensor([r.prompt + [0] * (P - len(r.prompt)) for r in new], device=dev)  # [m, P]
@@ -356,7 +360,7 @@ class Engine:
         first = race_sample(probs, next_token_noise(new, probs.shape[1], dev), temp <= 0)
         self.verifier.counters.reset(row0, m)
         tokens = first.tolist()  # the prefill's one host sync
-        now = time.perf_counter()
+        now = self.clock()
         outputs, done = [], []
         for i, (req, tok) in enumerate(zip(new, tokens)):
             self.running.append(req)
@@ -367,7 +371,7 @@ class Engine:
             if reason is not None:
                 done.append(row0 + i)
         self._release(done)
-        took = time.perf_counter() - t0
+        took = self.clock() - t0
         self.prefill_seconds += took
         ran = sum(lens_host) if pack else m * P  # the tokens this forward computed
         per = 1e3 * took / ran
@@ -379,7 +383,7 @@ class Engine:
         free = min(self.free_slots, len(self.waiting))
         if self.admission == "all" or not self.running:
             return free
-        now = time.perf_counter()
+        now = self.clock()
         rows = [RowClock(getattr(r.targets, "effective_tpot_ms", None), 1e3 * (now - r.t_first),
                          len(r.output) - 1, remaining(r, self.max_len)) for r in self.running]
         waiting = [Waiting(len(r.prompt), 1e3 * (now - r.t_arrive), getattr(r.targets, "ttft_ms", None))
@@ -431,7 +435,7 @@ class Engine:
         return StepPlan(k, rule, param, param2, k_host, rule_host, p1_host, p2_host, layout)
 
     def _decode(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         run, K = self.running, self.width
         rows = self._row_state()
         steps = self.decisions.choose_steps(rows).to(torch.int64).cpu().clamp(SUFFIX, self.block)  # host [B]
@@ -446,7 +450,7 @@ class Engine:
 
         # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
         drafts = draft_step(batch, self.drafting, K, self._reads_features())
-        t_draft = time.perf_counter()
+        t_draft = self.clock()
 
         # (3) draft length and rule per row; lossless rows get exact rules only
         feats = DraftFeatures(batch.steps, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
@@ -472,7 +476,7 @@ class Engine:
         else:
             out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q, packed)
             host, Kc = self.verifier.commit(batch, out, trace_feats)  # (5) the step's one host read
-        now = time.perf_counter()
+        now = self.clock()
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
         return self._conclude(batch, result, (t0, t_draft, now))
 
@@ -520,7 +524,7 @@ class Engine:
             zeros = torch.zeros(B, self.width, device=dev)
             feats = (zeros, zeros, zeros)
         host = self.verifier.sample_next(logits[:, 0], run, temp, top_k, top_p, feats)
-        now = time.perf_counter()
+        now = self.clock()
         batch = StepBatch.without_drafts(run, rows)
         result = StepResult.unpack(host, 1, 0, 3 * self.width if feats else 0)
         return self._conclude(batch, result, (t0, t0, now))
@@ -577,7 +581,7 @@ class Engine:
             suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
                           suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
                           suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]), suffix_vote=vote)
-        now = time.perf_counter()
+        now = self.clock()
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
             position=torch.tensor([r.length for r in run]), generated=torch.tensor([len(r.output) for r in run]),

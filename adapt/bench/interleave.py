@@ -1,0 +1,80 @@
+"""Interleaved runs: several live runs (`adapt.bench.live.LiveRun`) taking turns step by step on one
+machine, each timed by its own clock.
+
+Why: this machine's speed drifts. The same matmul work, timed once a second, took 180–329 ms
+(stop 23), and one policy's two runs at the same load, minutes apart, differed by up to 20 %.
+Runs made one after another compare a policy with the machine's mood; a 3 % tuning change cannot
+be seen. Here every policy gets its own engine (same pair, same config, own model copy and
+caches) and the runs advance in turns: one engine step of the first run, one of the second, …,
+round after round, so that all of them meet the same drift within a fraction of a second.
+
+Each engine reads time from a `StepClock` that runs only while that engine's own run ticks (its
+admissions, prefills, decisions, drafts and verifications): a run's goodput, TPOT, TTFT and the
+policy's lateness are what they would have been had it run alone on a machine at that moment's
+speed. What the turns cannot share is each step's own noise (p10–p90 ±20 % step to step here);
+it averages out over the hundreds of steps of a run.
+
+Costs: one model copy per run in memory, and the engines' steps evict each other's data from
+the CPU's caches (the weights are streamed from memory every step anyway; a KV cache of a few MB
+may be cold where it would have been warm).
+"""
+
+from __future__ import annotations
+
+import time
+
+from adapt.replay import Scenario
+
+
+class StepClock:
+    """A monotonic clock (seconds) that advances only between `resume()` and `pause()`."""
+
+    def __init__(self):
+        self.banked = 0.0       # seconds run before the current turn
+        self.since = None       # perf_counter at the current turn's start (None: paused)
+
+    def __call__(self) -> float:
+        return self.banked + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def resume(self) -> None:
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        if self.since is not None:
+            self.banked += time.perf_counter() - self.since
+            self.since = None
+
+
+def run_interleaved(engines: list, policies: list, scenario: Scenario, prompts: list[list[int]], *,
+                 seed: int = 0) -> list[dict]:
+    """Serve ``scenario`` through ``engines[i]`` with ``policies[i]`` deciding, all runs taking
+    turns one engine step at a time; returns each run's `LiveRun.metrics()`, in order.
+
+    Every engine must be a distinct `Engine` (each run holds its engine's requests and clock);
+    each gets a fresh `StepClock` for the run and its own clock back afterwards. A run that
+    finishes early stops taking turns; the others go on."""
+    from adapt.bench.live import LiveRun
+
+    if len({id(e) for e in engines}) != len(engines) or len(engines) != len(policies):
+        raise ValueError("run_interleaved: one distinct engine per policy")
+    clocks = [StepClock() for _ in engines]
+    saved = [e.clock for e in engines]
+    try:
+        runs = []
+        for engine, policy, clock in zip(engines, policies, clocks):
+            engine.clock = clock
+            clock.resume()
+            runs.append(LiveRun(engine, policy, scenario, prompts, seed=seed))
+            clock.pause()
+        while not all(r.done for r in runs):
+            for run, clock in zip(runs, clocks):
+                if run.done:
+                    continue
+                clock.resume()
+                run.tick()
+                clock.pause()
+        return [r.metrics() for r in runs]
+    finally:
+        for engine, clock in zip(engines, saved):
+            engine.clock = clock
