@@ -88,7 +88,7 @@ class AdaptivePolicy(Policy):
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = True,
+                 suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  **kwargs):
         super().__init__(**kwargs)
         self.sla_guard = bool(sla_guard)
