@@ -40,6 +40,9 @@ runs in lockstep cohorts that never wait for another request's prefill, which re
 not allow). All policies share the fitted predictor and cost model. ``--admission sla`` runs the
 engine with SLA-aware admission (workers/admission.py) for every policy alike; the live rows
 report the share of decoding time spent waiting for other requests' prefills and the mean TTFT.
+``--interleave`` runs each round's live rows side by side (adapt/bench/interleave.py: one engine
+per policy, taking turns step by step, each timed by its own clock), so that the machine's drift
+falls on every policy of a round alike.
 
 Writes OUT/policies.json (a list of rows: policy, concurrency, goodput_tok_s, sla_attainment, tau,
 tvd_spent_per_token, decision_ms_per_step, plus workload, mode = live | replay and extras; the
@@ -99,6 +102,9 @@ def add_parser(subparsers) -> None:
                         "0 = equal lengths, where autoregressive decoding runs in lockstep cohorts)")
     p.add_argument("--admission", default="all", choices=("all", "sla"),
                    help="the engine's admission of waiting requests (workers/admission.py)")
+    p.add_argument("--interleave", action="store_true",
+                   help="live rows of a round side by side: one engine per policy, taking turns step by step, "
+                        "each timed by its own clock (adapt/bench/interleave.py)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -360,12 +366,15 @@ def _trace_name(kind: str, workload: str) -> str:
 
 
 def run(args) -> int:
+    import dataclasses
+
     import numpy as np
     import torch
 
     from adapt.policy_file import load, save
     from adapt.replay import RecordPool, Scenario, make_mix, replay
     from adapt.trace_data import TraceTable, read_records
+    from adapt.bench.interleave import run_interleaved
     from adapt.bench.live import collect_traces, run_live
     from adapt.commands.policy import fit_policy
 
@@ -505,11 +514,14 @@ def run(args) -> int:
                                                    for r in rows[-len(replayed):]))
     # 4. live: every round runs every policy once, in a rotated order (load drifts fall on all
     # policies alike); a policy's row is its median-goodput round. Each run_live starts with an
-    # empty suffix memory, warm-up runs included.
+    # empty suffix memory, warm-up runs included. --interleave: a round's runs go side by side.
     if engine is not None and not args.no_live:
         import statistics
 
         live_policies = [p for p in BENCH_POLICIES if p != "suffix" or suffix_ok]
+        # --interleave: an engine per policy (same config, its own model copy); else one for all
+        engines = {name: engine if i == 0 or not args.interleave else Engine(dataclasses.replace(engine.config))
+                   for i, name in enumerate(live_policies)}
         for w in workloads:
             for c in cfg["live_loads"]:
                 mix = make_mix(cfg["live_requests"](c), tight, loose, max_tokens=cfg["max_tokens"], length_spread=spread)
@@ -518,10 +530,18 @@ def run(args) -> int:
                 n = len(live_policies)
                 for rnd in range(cfg["rounds"]):
                     order = live_policies[rnd % n:] + live_policies[:rnd % n]
+                    made = {}
                     for name in order:
-                        policy = make(name)
-                        run_live(engine, policy, warm, prompts[w], seed=args.seed)  # warm-up, not recorded
-                        runs[name].append(run_live(engine, policy, Scenario("mix", c, mix), prompts[w], seed=args.seed))
+                        made[name] = policy = make(name)
+                        run_live(engines[name], policy, warm, prompts[w], seed=args.seed)  # warm-up, not recorded
+                        if not args.interleave:
+                            runs[name].append(run_live(engines[name], policy, Scenario("mix", c, mix), prompts[w],
+                                                       seed=args.seed))
+                    if args.interleave:
+                        measured = run_interleaved([engines[m] for m in order], [made[m] for m in order],
+                                                   Scenario("mix", c, mix), prompts[w], seed=args.seed)
+                        for name, m in zip(order, measured):
+                            runs[name].append(m)
                 for name in live_policies:
                     ms = sorted(runs[name], key=lambda m: m["goodput_tok_s"])
                     m = dict(ms[len(ms) // 2])
