@@ -349,7 +349,9 @@ class AdaptivePolicy(Policy):
         = `SUFFIX_ROW_PRIOR` tokens, the row's sums decayed like the global ones,
         `RequestBook.observe_suffix`). Requests differ more than prompts of one kind do: on the
         mixed workload an edit answer's copies run on where a chat answer's rarely do, and one
-        global ratio carried from request to request prices the next one by the last ones."""
+        global ratio carried from request to request prices the next one by the last ones. Off by
+        default: in interleaved runs on SmolLM2's mixed workload it measured no gain (stop 24,
+        docs/benchmarks.md)."""
         g = self.suffix_accept_ratio
         won = ctx["suffix_won"].cpu()                                                  # [B]
         if not (self.suffix_recalibrate and self.suffix_per_request):
