@@ -83,8 +83,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from adapt.bench.live import run_live
-    from adapt.bench.interleave import run_interleaved
+    from adapt.bench.interleave import engine_copies, run_round
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.policy_file import load
@@ -110,36 +109,31 @@ def main(argv=None) -> int:
     base = ["ar", "suffix", "adaptive", *variants]
     names = [n if m == "all" else f"{n}+{m}" for m in modes for n in base]
     rows = []
+    engine.config.admission_max_wait_ms = args.admission_max_wait_ms
     # interleaved: an engine per policy (each with its own model copy); else one engine, runs in turn
-    engines = {n: engine if i == 0 or not args.interleave else workload_engine(args.pair, args.workload, max(loads),
-                                                                            longest)[0]
-               for i, n in enumerate(names)}
-    for e in engines.values():
-        e.config.admission_max_wait_ms = args.admission_max_wait_ms
+    engines = dict(zip(names, engine_copies(engine, len(names)) if args.interleave else [engine] * len(names)))
 
-    def finish(n, policy, m):
+    def with_stats(policy, m):
         st = policy.stats() if hasattr(policy, "stats") else {}
         m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept")})
-        runs[n].append(m)
+        return m
 
     for c in loads:
         mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
         runs = {n: [] for n in names}
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
-            made = {}
-            for n in order:
-                name, _, mode = n.partition("+")
-                made[n] = policy = make(name)
-                engines[n].admission = mode or "all"
-                run_live(engines[n], policy, Scenario("warm", min(c, 4), mix[:4]), prompts)  # not recorded
-                if not args.interleave:
-                    finish(n, policy, run_live(engines[n], policy, Scenario("mix", c, mix), prompts))
-            if args.interleave:
-                measured = run_interleaved([engines[n] for n in order], [made[n] for n in order],
-                                        Scenario("mix", c, mix), prompts)
-                for n, m in zip(order, measured):
-                    finish(n, made[n], m)
+            # one after another, each policy under its own admission mode on the shared engine; or all side by side
+            for group in ([order] if args.interleave else [[n] for n in order]):
+                made = []
+                for n in group:
+                    name, _, mode = n.partition("+")
+                    made.append(make(name))
+                    engines[n].admission = mode or "all"
+                measured = run_round([engines[n] for n in group], made, Scenario("warm", min(c, 4), mix[:4]),
+                                     Scenario("mix", c, mix), prompts, interleave=args.interleave)
+                for n, policy, m in zip(group, made, measured):
+                    runs[n].append(with_stats(policy, m))
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]

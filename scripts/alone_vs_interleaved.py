@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import torch
 
-    from adapt.bench.interleave import run_interleaved
+    from adapt.bench.interleave import engine_copies, run_interleaved
     from adapt.bench.live import KnobsBaseline, run_live
     from adapt.bench.policies import workload_engine
     from adapt.replay import Scenario, make_mix
@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     load = int(argv[0]) if argv else 16
     torch.set_num_threads(2)
-    first, prompts = workload_engine("smollm2", "mixed", 64, 98)
-    second, _ = workload_engine("smollm2", "mixed", 64, 98)
+    engine, prompts = workload_engine("smollm2", "mixed", 64, 98)
+    first, second = engine_copies(engine, 2)
     mix = make_mix(max(24, 2 * load), 160.0, 640.0, max_tokens=64, length_spread=0.5)
     ar = lambda: KnobsBaseline("ar", draft_len=0)  # noqa: E731
     for engine in (first, second):

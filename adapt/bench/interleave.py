@@ -21,6 +21,7 @@ may be cold where it would have been warm).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from adapt.replay import Scenario
@@ -46,8 +47,30 @@ class StepClock:
             self.since = None
 
 
+def engine_copies(engine, count: int) -> list:
+    """``engine`` and ``count − 1`` new engines of its config (each loads its own model copy)."""
+    from workers.engine import Engine
+
+    return [engine] + [Engine(dataclasses.replace(engine.config)) for _ in range(count - 1)]
+
+
+def run_round(engines: list, policies: list, warm: Scenario, scenario: Scenario, prompts: list[list[int]], *,
+              interleave: bool, seed: int = 0) -> list[dict]:
+    """One round of a benchmark: each policy warms up on its engine (``warm``, not recorded), then
+    serves ``scenario``: one policy after another (``engines`` may then repeat one engine), or
+    with ``interleave`` all side by side (`run_interleaved`). Returns each run's metrics, in order."""
+    from adapt.bench.live import run_live
+
+    measured = []
+    for engine, policy in zip(engines, policies):
+        run_live(engine, policy, warm, prompts, seed=seed)
+        if not interleave:
+            measured.append(run_live(engine, policy, scenario, prompts, seed=seed))
+    return run_interleaved(engines, policies, scenario, prompts, seed=seed) if interleave else measured
+
+
 def run_interleaved(engines: list, policies: list, scenario: Scenario, prompts: list[list[int]], *,
-                 seed: int = 0) -> list[dict]:
+                    seed: int = 0) -> list[dict]:
     """Serve ``scenario`` through ``engines[i]`` with ``policies[i]`` deciding, all runs taking
     turns one engine step at a time; returns each run's `LiveRun.metrics()`, in order.
 

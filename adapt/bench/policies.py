@@ -366,15 +366,13 @@ def _trace_name(kind: str, workload: str) -> str:
 
 
 def run(args) -> int:
-    import dataclasses
-
     import numpy as np
     import torch
 
     from adapt.policy_file import load, save
     from adapt.replay import RecordPool, Scenario, make_mix, replay
     from adapt.trace_data import TraceTable, read_records
-    from adapt.bench.interleave import run_interleaved
+    from adapt.bench.interleave import engine_copies, run_round
     from adapt.bench.live import collect_traces, run_live
     from adapt.commands.policy import fit_policy
 
@@ -520,8 +518,8 @@ def run(args) -> int:
 
         live_policies = [p for p in BENCH_POLICIES if p != "suffix" or suffix_ok]
         # --interleave: an engine per policy (same config, its own model copy); else one for all
-        engines = {name: engine if i == 0 or not args.interleave else Engine(dataclasses.replace(engine.config))
-                   for i, name in enumerate(live_policies)}
+        engines = engine_copies(engine, len(live_policies)) if args.interleave else [engine] * len(live_policies)
+        engines = dict(zip(live_policies, engines))
         for w in workloads:
             for c in cfg["live_loads"]:
                 mix = make_mix(cfg["live_requests"](c), tight, loose, max_tokens=cfg["max_tokens"], length_spread=spread)
@@ -530,18 +528,10 @@ def run(args) -> int:
                 n = len(live_policies)
                 for rnd in range(cfg["rounds"]):
                     order = live_policies[rnd % n:] + live_policies[:rnd % n]
-                    made = {}
-                    for name in order:
-                        made[name] = policy = make(name)
-                        run_live(engines[name], policy, warm, prompts[w], seed=args.seed)  # warm-up, not recorded
-                        if not args.interleave:
-                            runs[name].append(run_live(engines[name], policy, Scenario("mix", c, mix), prompts[w],
-                                                       seed=args.seed))
-                    if args.interleave:
-                        measured = run_interleaved([engines[m] for m in order], [made[m] for m in order],
-                                                   Scenario("mix", c, mix), prompts[w], seed=args.seed)
-                        for name, m in zip(order, measured):
-                            runs[name].append(m)
+                    measured = run_round([engines[name] for name in order], [make(name) for name in order], warm,
+                                         Scenario("mix", c, mix), prompts[w], interleave=args.interleave, seed=args.seed)
+                    for name, m in zip(order, measured):
+                        runs[name].append(m)
                 for name in live_policies:
                     ms = sorted(runs[name], key=lambda m: m["goodput_tok_s"])
                     m = dict(ms[len(ms) // 2])
