@@ -59,7 +59,8 @@ class DSparkSettings(_Settings):
 
 class SuffixAcceptTable(BaseModel):
     """Acceptance of suffix drafts by match length: each later token's (`accept`) and, optionally,
-    the first token's (`first`), and a scale per bucket of vote shares (`vote`, `vote_scale`)
+    the first token's (`first`), a scale per bucket of vote shares (`vote`, `vote_scale`) and,
+    optionally, a table of the same form for sampled rows (`sampled`)
     (policies.adaptive.check_suffix_accept)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -68,6 +69,7 @@ class SuffixAcceptTable(BaseModel):
     first: list[float] | None = None
     vote: list[float] | None = None
     vote_scale: list[float] | None = None
+    sampled: SuffixAcceptTable | None = None  # the table for sampled rows (T > 0); the outer one is then greedy rows'
 
 
 class AdaptiveSettings(_Settings):

@@ -46,8 +46,9 @@ ROUNDS = 4                               # alternations of the c and s estimates
 
 def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
     """Every slot a suffix draft's verification reached (the accepted ones and the first
-    rejection), flattened [S]: match length, whether it is the draft's first, its vote share and
-    whether it was accepted. None when the traces hold no suffix drafts."""
+    rejection), flattened [S]: match length, whether it is the draft's first, its vote share,
+    whether it was accepted and whether its row sampled (T > 0). None when the traces hold no
+    suffix drafts."""
     rows = np.flatnonzero((table.steps == -1) & (table.draft_len > 0))
     if rows.size == 0:
         return None
@@ -57,18 +58,41 @@ def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
     j = np.arange(int(reached.sum())) - np.repeat(np.cumsum(reached) - reached, reached)  # [S] slot index
     vote = table.confidence[rec, j]                                   # [S] (draft_len <= K_MAX: checked on reading)
     return {"match": table.suffix_match[rec], "first": j == 0, "vote": vote.astype(np.float64),
-            "accepted": j < table.accepted[rec]}
+            "accepted": j < table.accepted[rec], "sampled": table.temperature[rec] > 0}
 
 
 def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_RECORDS,
                       vote_edges=VOTE_EDGES) -> tuple[dict | None, dict]:
-    """(settings table ``{"match": [...], "first": [c₁ ...], "accept": [c ...], "vote": [...],
-    "vote_scale": [s ...]}`` or None when the traces hold no suffix drafts, report {records,
-    slots, buckets: [{match, records, first, accept, pooled, fitted}], votes: [{vote, slots,
-    observed, scale, fitted}], log_loss, log_loss_without_vote})."""
+    """(settings table or None when the traces hold no suffix drafts, report).
+
+    The table is ``{"match": [...], "first": [c₁ ...], "accept": [c ...], "vote": [...],
+    "vote_scale": [s ...]}`` for greedy rows, fitted on the greedy records (on all of them when
+    the traces hold no greedy ones), and, when the traces hold sampled records too, the same
+    for sampled rows (T > 0) under ``"sampled"``. Classes differ: a greedy row accepts a
+    deterministic draft token whenever it is the target's argmax, a sampled row with the
+    target's probability of it (REFERENCE.md, deterministic drafts), so the same copy wins less
+    at T > 0. The sampled table's buckets without enough records fall back to the greedy
+    table's values (not the built-in prior). Report: {records, slots, buckets: [{match,
+    records, first, accept, pooled, fitted}], votes: [{vote, slots, observed, scale, fitted}],
+    log_loss, log_loss_without_vote} of the greedy table, and the sampled table's under
+    ``"sampled"``."""
     slots = suffix_slots(table)
     if slots is None:
         return None, {"records": 0}
+    sampled = slots.pop("sampled")
+    greedy = ~sampled if bool((~sampled).any()) else np.ones_like(sampled)
+    out, report = _fit_slots({k: v[greedy] for k, v in slots.items()}, edges, min_records, vote_edges, None)
+    if bool(sampled.any()) and bool((~sampled).any()):
+        prior = (np.asarray(out["first"]), np.asarray(out["accept"]))
+        out["sampled"], report["sampled"] = _fit_slots({k: v[sampled] for k, v in slots.items()}, edges,
+                                                       min_records, vote_edges, prior)
+    return out, report
+
+
+def _fit_slots(slots: dict[str, np.ndarray], edges, min_records: int, vote_edges,
+               prior: tuple[np.ndarray, np.ndarray] | None) -> tuple[dict, dict]:
+    """The table and report of `fit_suffix_accept` for one class's slots; ``prior``: (c₁, c)
+    per bucket for buckets without enough records (None: the built-in ``m / (m + 3)``)."""
     acc = slots["accepted"].astype(np.float64)
     first = slots["first"]
     bucket = np.searchsorted(np.asarray(edges), slots["match"], side="right") - 1       # [S]
@@ -77,18 +101,21 @@ def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_REC
     later_n = np.bincount(bucket[~first], minlength=len(edges))
     vote_n = np.bincount(vb, minlength=len(vote_edges))
     fitted = records >= min_records
-    prior = np.array([lo / (lo + 3.0) for lo in edges])
+    if prior is None:
+        built_in = np.array([lo / (lo + 3.0) for lo in edges])
+        prior = (built_in, built_in)
+    prior1, prior_c = prior
     scale = np.ones(len(vote_edges))
     for _ in range(ROUNDS):
         w = scale[vb]                                                                   # [S]
-        pooled = _ratio(acc, w, bucket, len(edges), prior)
-        c1 = np.where(fitted, _ratio(acc[first], w[first], bucket[first], len(edges), prior), prior)
-        c = _ratio(acc[~first], w[~first], bucket[~first], len(edges), prior)
-        c = np.where(fitted & (later_n >= min_records), c, np.where(fitted, pooled, prior))
+        pooled = _ratio(acc, w, bucket, len(edges), prior_c)
+        c1 = np.where(fitted, _ratio(acc[first], w[first], bucket[first], len(edges), prior1), prior1)
+        c = _ratio(acc[~first], w[~first], bucket[~first], len(edges), prior_c)
+        c = np.where(fitted & (later_n >= min_records), c, np.where(fitted, pooled, prior_c))
         c1, c = np.asarray(monotone(c1, fitted)), np.asarray(monotone(c, fitted))
         base = np.where(first, c1[bucket], c[bucket])                                   # [S] without the scale
         scale = vote_scale(_ratio(acc, base, vb, len(vote_edges), np.ones(len(vote_edges))), vote_n >= min_records)
-    pooled = _ratio(acc, np.ones_like(acc), bucket, len(edges), prior)
+    pooled = _ratio(acc, np.ones_like(acc), bucket, len(edges), prior_c)
     pred = np.minimum(base * scale[vb], 1.0)
     report = {"records": int(records.sum()), "slots": int(acc.size), "buckets": [], "votes": [],
               "log_loss": round(_log_loss(acc, pred), 4), "log_loss_without_vote": round(_log_loss(acc, base), 4)}
@@ -153,9 +180,10 @@ def monotone(values: list[float], fitted: list[bool]) -> list[float]:
 
 
 def collect_suffix_traces(target, prompts: list[list[int]], max_tokens: int, batch: int = 8,
-                          dtype: str = "auto") -> list[dict]:
-    """Trace records of static suffix drafting (every row drafts its full suffix draft, greedy) on
-    `prompts` (token ids), through the real engine without a drafter."""
+                          dtype: str = "auto", temperature: float = 0.0, seed: int = 0) -> list[dict]:
+    """Trace records of static suffix drafting (every row drafts its full suffix draft) on
+    `prompts` (token ids) at `temperature` (0: greedy), through the real engine without a
+    drafter."""
     from workers.engine import Engine, EngineConfig
     from workers.request import DecodeKnobs, SamplingParams
     from workers.traces import ListTraceSink
@@ -165,11 +193,11 @@ def collect_suffix_traces(target, prompts: list[list[int]], max_tokens: int, bat
     engine = Engine(EngineConfig(target=str(target), drafter=None, dtype=dtype, max_batch=batch,
                                  max_len=longest + max_tokens + 32), trace_sink=sink)
     knobs = DecodeKnobs(draft_len=engine.width, source="suffix")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     pending = list(enumerate(prompts))
     while pending or engine.has_unfinished():
         while pending and engine.free_slots > len(engine.waiting):
             i, ids = pending.pop(0)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
             engine.add_request(f"fit-{i}", ids, params, knobs)
         engine.step()
     return sink.records
@@ -188,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="chat,code,edit")
     p.add_argument("--count", type=int, default=24, help="prompts per workload")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperatures", default="0,0.8",
+                   help="collect at each of these temperatures (0: greedy); greedy and sampled rows get their own tables")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--traces", type=Path, default=None, help="also write the traces here (JSON Lines)")
     p.add_argument("--from-traces", type=Path, default=None,
@@ -210,11 +240,23 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(pair.target))
     prompts = [chat_prompt_ids(tok, w["messages"]) for name in args.workloads.split(",")
                for w in make_workload(name, args.count, seed=1, split="train")]
-    records = collect_suffix_traces(pair.target, prompts, args.max_tokens)
+    records = [r for t in _temperatures(args.temperatures)
+               for r in collect_suffix_traces(pair.target, prompts, args.max_tokens, temperature=t)]
     if args.traces:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         args.traces.write_text("".join(json.dumps(r) + "\n" for r in records))
     return _write_table(TraceTable.from_records(records), args, source="collected")
+
+
+def _temperatures(text: str) -> list[float]:
+    """``"0,0.8"`` → [0.0, 0.8]; a clear error for anything else."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(t < 0 for t in out):
+        raise SystemExit(f"--temperatures: expected comma-separated numbers >= 0, got {text!r}")
+    return out
 
 
 def _write_table(table: TraceTable, args, source: str) -> int:
@@ -230,10 +272,14 @@ def _write_table(table: TraceTable, args, source: str) -> int:
     policy.settings = dict(policy.settings, suffix_accept=fitted)
     policy.version, policy.created = "", 0.0  # a new version
     policy.report = dict(policy.report, suffix=dict(report, workloads=args.workloads, count=args.count,
-                                                     max_tokens=args.max_tokens, split="train", traces=source))
+                                                     max_tokens=args.max_tokens, temperatures=args.temperatures,
+                                                     split="train", traces=source))
     version = save(policy, args.policy_file)
-    print(json.dumps({"suffix_accept": fitted, "records": report["records"], "log_loss": report["log_loss"],
-                      "log_loss_without_vote": report["log_loss_without_vote"], "version": version}))
+    summary = {"suffix_accept": fitted, "records": report["records"], "log_loss": report["log_loss"],
+               "log_loss_without_vote": report["log_loss_without_vote"], "version": version}
+    if "sampled" in report:
+        summary["sampled"] = {k: report["sampled"][k] for k in ("records", "log_loss", "log_loss_without_vote")}
+    print(json.dumps(summary))
     return 0
 
 

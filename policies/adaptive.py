@@ -276,7 +276,7 @@ class AdaptivePolicy(Policy):
         Ks = int(n.max())
         vote = getattr(rows, "suffix_vote", None) if self.suffix_vote else None
         cond = suffix_slot_accept(self.suffix_accept, rows.suffix_match.cpu(),         # [B, Ks] given the slots before
-                                  None if vote is None else vote.cpu()[:, :Ks], Ks)
+                                  None if vote is None else vote.cpu()[:, :Ks], Ks, rows.temperature.cpu() > 0)
         j = torch.arange(Ks)                                                           # [Ks] j − 1
         w = self.weights(ctx).cpu()                                                    # [B]
         by_table = cond.cumprod(1) * (j[None] < n[:, None])                            # [B, Ks] accepted, 0 past the draft
@@ -637,34 +637,43 @@ def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> 
     return pick.cumsum(1)                                                             # [B, M + 1]
 
 
-def check_suffix_accept(table: dict | None) -> dict | None:
+def check_suffix_accept(table: dict | None, nested: bool = False) -> dict | None:
     """A fitted suffix acceptance table ``{"match": [m_0 < m_1 < ...], "accept": [c_0, c_1, ...],
-    "first": [c₁_0, c₁_1, ...], "vote": [v_0 < v_1 < ...], "vote_scale": [s_0, s_1, ...]}``
-    checked (for match lengths >= m_i and < m_{i+1}: c₁_i the first drafted token's acceptance,
-    c_i each later token's given the ones before it; without "first", c_i for every token: a
-    geometric law; a token whose vote share is >= v_j and < v_{j+1} has its acceptance scaled by
-    s_j, capped at 1: adapt/suffix_fit.py); None = the built-in ``m / (m + 3)``."""
+    "first": [c₁_0, c₁_1, ...], "vote": [v_0 < v_1 < ...], "vote_scale": [s_0, s_1, ...],
+    "sampled": {...}}`` checked (for match lengths >= m_i and < m_{i+1}: c₁_i the first drafted
+    token's acceptance, c_i each later token's given the ones before it; without "first", c_i
+    for every token: a geometric law; a token whose vote share is >= v_j and < v_{j+1} has its
+    acceptance scaled by s_j, capped at 1; "sampled", optional: a table of the same form (without
+    its own "sampled") for sampled rows, T > 0, the outer one then being for greedy rows:
+    adapt/suffix_fit.py); None = the built-in ``m / (m + 3)``."""
     if table is None:
         return None
+    where = "suffix_accept.sampled" if nested else "suffix_accept"
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected an object")
     match, accept, first = table.get("match"), table.get("accept"), table.get("first")
     vote, scale = table.get("vote"), table.get("vote_scale")
     if not (isinstance(match, list) and isinstance(accept, list) and match and len(match) == len(accept)):
-        raise ValueError("suffix_accept: expected {'match': [...], 'accept': [...]} of equal, non-zero length")
+        raise ValueError(f"{where}: expected {{'match': [...], 'accept': [...]}} of equal, non-zero length")
     if first is not None and not (isinstance(first, list) and len(first) == len(match)):
-        raise ValueError("suffix_accept: 'first' must be a list as long as 'match'")
+        raise ValueError(f"{where}: 'first' must be a list as long as 'match'")
     if any(b <= a for a, b in zip(match, match[1:])) or not all(0.0 <= c <= 1.0 for c in accept + (first or [])):
-        raise ValueError("suffix_accept: match must increase and accept (first) lie in [0, 1]")
+        raise ValueError(f"{where}: match must increase and accept (first) lie in [0, 1]")
     if (vote is None) != (scale is None):
-        raise ValueError("suffix_accept: 'vote' and 'vote_scale' come together")
+        raise ValueError(f"{where}: 'vote' and 'vote_scale' come together")
     if vote is not None and not (isinstance(vote, list) and isinstance(scale, list) and vote and len(vote) == len(scale)
                                  and all(b > a for a, b in zip(vote, vote[1:]))
                                  and all(0.0 <= x <= 1.0 for x in vote + scale)):
-        raise ValueError("suffix_accept: 'vote' must increase within [0, 1] and 'vote_scale' (in [0, 1]) be as long")
+        raise ValueError(f"{where}: 'vote' must increase within [0, 1] and 'vote_scale' (in [0, 1]) be as long")
+    if nested and table.get("sampled") is not None:
+        raise ValueError(f"{where}: a sampled table has no 'sampled' table of its own")
     out = {"match": [int(m) for m in match], "accept": [float(c) for c in accept]}
     if first is not None:
         out["first"] = [float(c) for c in first]
     if vote is not None:
         out["vote"], out["vote_scale"] = [float(v) for v in vote], [float(x) for x in scale]
+    if table.get("sampled") is not None:
+        out["sampled"] = check_suffix_accept(table["sampled"], nested=True)
     return out
 
 
@@ -682,11 +691,21 @@ def suffix_accept_of(table: dict | None, match: torch.Tensor) -> tuple[torch.Ten
     return first, later
 
 
-def suffix_slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, Ks: int) -> torch.Tensor:
+def suffix_slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, Ks: int,
+                       sampled: torch.Tensor | None = None) -> torch.Tensor:
     """[B, Ks] each slot's acceptance given the slots before it were accepted, for suffix drafts
     with match lengths ``match`` [B] and vote shares ``vote`` [B, Ks] (or None): ``c₁`` for the
     first slot, ``c`` for the later ones (`suffix_accept_of`), times the table's ``vote_scale`` of
-    each slot's share (when both the table and ``vote`` have them), capped at 1."""
+    each slot's share (when both the table and ``vote`` have them), capped at 1. Rows with
+    ``sampled`` [B] (T > 0) read the table's ``"sampled"`` table where it has one."""
+    cond = _slot_accept(table, match, vote, Ks)
+    if table is None or table.get("sampled") is None or sampled is None or not bool(sampled.any()):
+        return cond
+    return torch.where(sampled[:, None], _slot_accept(table["sampled"], match, vote, Ks), cond)
+
+
+def _slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, Ks: int) -> torch.Tensor:
+    """`suffix_slot_accept` by one table (its own ``"sampled"`` table not read)."""
     c1, c = suffix_accept_of(table, match)                                             # [B], [B]
     first = torch.arange(Ks)[None] == 0                                                # [1, Ks]
     cond = torch.where(first, c1[:, None], c[:, None])                                 # [B, Ks]

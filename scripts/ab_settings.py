@@ -38,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans)."""
+    """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans),
+    or ``@PATH``: the JSON in that file (a table, e.g. an earlier ``suffix_accept``)."""
     name, _, body = text.partition(":")
     settings = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
-        settings[key.strip()] = json.loads(value)
+        value = value.strip()
+        settings[key.strip()] = json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
     return name, settings
 
 

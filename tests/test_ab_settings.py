@@ -30,6 +30,16 @@ def test_paired_ratio_compares_within_a_round():
     assert ab.paired_ratios(runs, "adaptive+sla") == pytest.approx([0.9, 1.2])  # against its own mode
 
 
+def test_a_variant_reads_json_values_and_tables_from_files(tmp_path):
+    """``NAME:key=value,...`` with JSON values; ``key=@PATH`` reads the value from a JSON file
+    (an earlier suffix acceptance table, whose commas the option cannot carry)."""
+    ab = _script()
+    table = {"match": [2, 4], "accept": [0.5, 0.7]}
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    name, settings = ab.parse_variant(f"old:hold_max=0,suffix_vote=false,suffix_accept=@{tmp_path / 't.json'}")
+    assert name == "old" and settings == {"hold_max": 0, "suffix_vote": False, "suffix_accept": table}
+
+
 def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     from adapt.commands.policy import fit_policy
     from adapt.policy_file import save

@@ -501,6 +501,30 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
             assert ratio == 1.0 and (policy.choose_steps(rows) == SUFFIX).all()
 
 
+def test_adaptive_policy_prices_sampled_rows_copies_by_the_sampled_table():
+    """A table whose sampled class accepts copies far less than its greedy class: in one packed
+    batch the greedy rows take their suffix drafts and the sampled rows (T = 0.8) do not; the
+    same table without its sampled class prices both alike."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX
+
+    B = 4
+    rows = dataclasses.replace(_confident_suffix_rows(B), packed_verify=True,
+                               temperature=torch.tensor([0.0, 0.0, 0.8, 0.8]))
+    greedy = {"match": [2, 12], "first": [0.5, 0.9], "accept": [0.6, 0.9]}
+    table = dict(greedy, sampled={"match": [2, 12], "first": [0.1, 0.1], "accept": [0.2, 0.2]})
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.5)
+    by_class = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
+    assert by_class.choose_steps(rows).tolist() == [SUFFIX, SUFFIX, 0, 0]
+    pooled = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=greedy)
+    assert pooled.choose_steps(rows).tolist() == [SUFFIX] * B
+
+
 def test_adaptive_policy_recalibrates_suffix_acceptance_per_request():
     """Two requests whose copies win every drafted token and two whose copies win nothing, in one
     packed batch: each request's own ratio (`suffix_row_ratio`) moves its own way from the global

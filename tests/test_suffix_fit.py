@@ -9,7 +9,7 @@ from adapt.suffix_fit import EDGES, fit_suffix_accept
 from adapt.trace_data import TraceTable
 
 
-def suffix_records(rng, n, match, c, k=8, start=0, first=None, votes=None, scale=None):
+def suffix_records(rng, n, match, c, k=8, start=0, first=None, votes=None, scale=None, temperature=0.0):
     """n suffix-draft records of match length `match` whose first token is accepted w.p. `first`
     (default c) and each later one w.p. c; with `votes` (shares to draw each token's from) and
     `scale` (vote share -> factor), a token of share v is accepted w.p. min(1, that · scale[v])."""
@@ -20,7 +20,7 @@ def suffix_records(rng, n, match, c, k=8, start=0, first=None, votes=None, scale
         while a < k and rng.random() < min(1.0, (c if a or first is None else first) * (scale[conf[a]] if scale else 1.0)):
             a += 1
         out.append({"request_id": f"s{start + i}", "step": start + i, "steps": -1, "draft_len": k, "rule": 0,
-                    "temperature": 0.0, "accepted": a, "accept_flags": [1] * a + [0] * (k - a),
+                    "temperature": temperature, "accepted": a, "accept_flags": [1] * a + [0] * (k - a),
                     "source": "suffix", "suffix_match": match, "confidence": conf + [0.0] * (16 - k)})
     return out
 
@@ -111,6 +111,40 @@ def test_fit_recovers_the_scale_of_contested_tokens_and_the_policy_reads_it():
         check_suffix_accept({"match": [2], "accept": [0.5], "vote": [0.0, 0.5]})
     with pytest.raises(ValueError, match="vote"):
         check_suffix_accept({"match": [2], "accept": [0.5], "vote": [0.5, 0.0], "vote_scale": [0.2, 1.0]})
+
+
+def test_greedy_and_sampled_rows_get_their_own_tables_and_the_policy_reads_each_rows():
+    """Copies accepted at 0.9 per token on greedy rows and 0.6 on sampled ones (a sampled row
+    accepts a copied token with the target's probability of it, not whenever it is the argmax):
+    the fit gives the greedy table 0.9 and a ``"sampled"`` table 0.6; a bucket the sampled
+    records do not reach takes the greedy table's value; the policy's slot acceptance reads each
+    row's class; traces of one class fit one table as before."""
+    import torch
+
+    from adapt.controller import validate_settings
+    from policies.adaptive import check_suffix_accept, suffix_slot_accept
+
+    rng = np.random.default_rng(8)
+    greedy = suffix_records(rng, 600, 4, 0.9) + suffix_records(rng, 300, 12, 0.95, start=600)
+    sampled = suffix_records(rng, 600, 4, 0.6, start=900, temperature=0.8)
+    table, report = fit_suffix_accept(TraceTable.from_records(greedy + sampled))
+    g, s = dict(zip(table["match"], table["accept"])), dict(zip(table["match"], table["sampled"]["accept"]))
+    assert abs(g[4] - 0.9) < 0.03 and abs(s[4] - 0.6) < 0.04
+    assert s[12] == pytest.approx(g[12])  # no sampled records at match 12: the greedy value
+    assert report["records"] == 900 and report["sampled"]["records"] == 600
+    assert not any(b["fitted"] for b in report["sampled"]["buckets"] if b["match"] == 12)
+
+    checked = check_suffix_accept(table)
+    assert validate_settings("adaptive", {"suffix_accept": table})["suffix_accept"]["sampled"]["accept"] == table["sampled"]["accept"]
+    cond = suffix_slot_accept(checked, torch.tensor([4, 4]), None, 2, torch.tensor([False, True]))
+    assert cond[0, 1] == pytest.approx(g[4]) and cond[1, 1] == pytest.approx(s[4])
+    assert torch.equal(suffix_slot_accept(checked, torch.tensor([4, 4]), None, 2), cond[[0, 0]])  # no classes: greedy
+    with pytest.raises(ValueError, match="suffix_accept.sampled"):
+        check_suffix_accept(dict(table, sampled=dict(table["sampled"], accept=[2.0] * len(EDGES))))
+    with pytest.raises(ValueError, match="no 'sampled' table of its own"):
+        check_suffix_accept(dict(table, sampled=dict(table["sampled"], sampled=table["sampled"])))
+    only_sampled, _ = fit_suffix_accept(TraceTable.from_records(sampled))
+    assert "sampled" not in only_sampled and abs(dict(zip(EDGES, only_sampled["accept"]))[4] - 0.6) < 0.04
 
 
 def test_one_vote_bucket_fits_as_before():
