@@ -712,5 +712,5 @@ def _slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | N
     if vote is None or table is None or "vote" not in table:
         return cond
     edges = torch.tensor(table["vote"], dtype=torch.float32)
-    idx = (torch.bucketize(vote.float(), edges, right=True) - 1).clamp(min=0)           # [B, Ks]
+    idx = (torch.bucketize(vote.float().contiguous(), edges, right=True) - 1).clamp(min=0)  # [B, Ks]
     return (cond * torch.tensor(table["vote_scale"], dtype=torch.float32)[idx]).clamp(max=1.0)

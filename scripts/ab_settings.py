@@ -23,7 +23,8 @@ Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``
 per step, held share (adaptive), draft sources and (adaptive) the suffix calibration (mean
 predicted against measured step ms of its suffix choices, per kind, `plan` or `wide`, and batch
 bucket) and suffix acceptance (drafts taken, the online ratio; `AdaptivePolicy.stats`) are
-written as JSON, one row per (load, policy).
+written as JSON, one row per (load, policy), with every round's goodput, SLA attainment, draft
+sources and suffix statistics under ``rounds``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, settings
 
 
-STATIC = ("ar", "suffix")  # the static configurations every adaptive row is compared with
+STATIC = ("ar", "suffix")
+ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # the static configurations every adaptive row is compared with
 
 
 def paired_ratios(runs: dict[str, list[dict]], name: str) -> list[float]:
@@ -151,7 +153,9 @@ def main(argv=None) -> int:
                                                                      for r in runs[n]), 3),
                          "ttft_ms_mean": round(statistics.mean(r["ttft_ms_mean"] for r in runs[n]), 1),
                          "per_request": m["per_request"],
-                         "suffix_calibration": m["suffix_calibration"], "suffix_accept": m["suffix_accept"]})
+                         "suffix_calibration": m["suffix_calibration"], "suffix_accept": m["suffix_accept"],
+                         # every round's own (a slow round's choices differ from the median one's)
+                         "rounds": [{key: r.get(key) for key in ROUND_KEYS} for r in runs[n]]})
             if n.partition("+")[0] not in STATIC:
                 ratios = paired_ratios(runs, n)
                 rows[-1].update(paired_ratio_rounds=[round(x, 3) for x in ratios],

@@ -55,8 +55,10 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive", "novote"]
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0
+        assert [x["goodput_tok_s"] for x in r["rounds"]] == pytest.approx(r["goodput_rounds"], abs=0.051)
     for r in rows[2:]:
         assert len(r["paired_ratio_rounds"]) == 2 and r["paired_ratio"] > 0
+        assert all(set(x["suffix_accept"]) == {"drafts", "ratio"} for x in r["rounds"])
     assert rows[3]["settings"] == {"suffix_vote": False}
     assert rows[0]["suffix_accept"] is None and set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}
 
