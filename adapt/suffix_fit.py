@@ -49,12 +49,17 @@ VOTE_EDGES = (0.0, 0.5, 0.99)         # lower vote-share edges of the scale's bu
 ROUNDS = 4                               # alternations of the c and s estimates
 
 
+def suffix_rows(table: TraceTable) -> np.ndarray:
+    """[R] indices of the records that verified a suffix draft."""
+    return np.flatnonzero((table.steps == -1) & (table.draft_len > 0))
+
+
 def suffix_slots(table: TraceTable) -> dict[str, np.ndarray] | None:
     """Every slot a suffix draft's verification reached (the accepted ones and the first
     rejection), flattened [S]: match length, whether it is the draft's first, its vote share,
     whether it was accepted and whether its row sampled (T > 0). None when the traces hold no
     suffix drafts."""
-    rows = np.flatnonzero((table.steps == -1) & (table.draft_len > 0))
+    rows = suffix_rows(table)
     if rows.size == 0:
         return None
     a, k = table.accepted[rows], table.draft_len[rows]
@@ -85,9 +90,10 @@ def fit_suffix_accept(table: TraceTable, edges=EDGES, min_records: int = MIN_REC
     if slots is None:
         return None, {"records": 0}
     sampled = slots.pop("sampled")
-    greedy = ~sampled if bool((~sampled).any()) else np.ones_like(sampled)
+    has_greedy = bool((~sampled).any())
+    greedy = ~sampled if has_greedy else np.ones_like(sampled)
     out, report = _fit_slots({k: v[greedy] for k, v in slots.items()}, edges, min_records, vote_edges, None)
-    if bool(sampled.any()) and bool((~sampled).any()):
+    if has_greedy and bool(sampled.any()):
         prior = (np.asarray(out["first"]), np.asarray(out["accept"]))
         out["sampled"], report["sampled"] = _fit_slots({k: v[sampled] for k, v in slots.items()}, edges,
                                                        min_records, vote_edges, prior)
@@ -245,7 +251,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(pair.target))
     prompts = [chat_prompt_ids(tok, w["messages"]) for name in args.workloads.split(",")
                for w in make_workload(name, args.count, seed=1, split="train")]
-    records = [r for t in _temperatures(args.temperatures)
+    records = [r for t in parse_temperatures(args.temperatures)
                for r in collect_suffix_traces(pair.target, prompts, args.max_tokens, temperature=t)]
     if args.traces:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +259,7 @@ def main(argv=None) -> int:
     return _write_table(TraceTable.from_records(records), args, source="collected")
 
 
-def _temperatures(text: str) -> list[float]:
+def parse_temperatures(text: str) -> list[float]:
     """``"0,0.8"`` → [0.0, 0.8]; a clear error for anything else."""
     try:
         out = [float(x) for x in text.split(",") if x.strip()]

@@ -275,11 +275,9 @@ class AdaptivePolicy(Policy):
         n = rows.suffix_len.cpu()                                                      # [B]
         Ks = int(n.max())
         vote = getattr(rows, "suffix_vote", None) if self.suffix_vote else None
-        cond = suffix_slot_accept(self.suffix_accept, rows.suffix_match.cpu(),         # [B, Ks] given the slots before
-                                  None if vote is None else vote.cpu()[:, :Ks], Ks, rows.temperature.cpu() > 0)
-        j = torch.arange(Ks)                                                           # [Ks] j − 1
+        by_table = suffix_draft_accept(self.suffix_accept, rows.suffix_match.cpu(),    # [B, Ks] accepted, 0 past the draft
+                                       None if vote is None else vote.cpu()[:, :Ks], n, rows.temperature.cpu() > 0)
         w = self.weights(ctx).cpu()                                                    # [B]
-        by_table = cond.cumprod(1) * (j[None] < n[:, None])                            # [B, Ks] accepted, 0 past the draft
         slot = (by_table * self.suffix_row_ratio(ctx)[:, None]).clamp(max=1.0)         # recalibrated online
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
@@ -702,6 +700,16 @@ def suffix_slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tens
     if table is None or table.get("sampled") is None or sampled is None or not bool(sampled.any()):
         return cond
     return torch.where(sampled[:, None], _slot_accept(table["sampled"], match, vote, Ks), cond)
+
+
+def suffix_draft_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, n: torch.Tensor,
+                        sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Ks] the probability that slot j of each suffix draft is accepted (its first j slots
+    all are: the running product of `suffix_slot_accept`), 0 past the draft's length ``n`` [B];
+    ``Ks = max(n)``. Row sums: the tokens a draft verified at full length is expected to win."""
+    Ks = int(n.max())
+    cond = suffix_slot_accept(table, match, vote, Ks, sampled)                         # [B, Ks] given the slots before
+    return cond.cumprod(1) * (torch.arange(Ks)[None] < n[:, None])
 
 
 def _slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | None, Ks: int) -> torch.Tensor:

@@ -50,8 +50,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, settings
 
 
-STATIC = ("ar", "suffix")
-ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # the static configurations every adaptive row is compared with
+STATIC = ("ar", "suffix")  # the static configurations every adaptive row is compared with
+ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # kept per round
 
 
 def paired_ratios(runs: dict[str, list[dict]], name: str) -> list[float]:

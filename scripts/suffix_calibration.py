@@ -38,26 +38,26 @@ def read_table(path: str) -> dict:
     from policies.adaptive import check_suffix_accept
 
     data = json.loads(Path(path).read_text())
-    return check_suffix_accept(data.get("settings", {}).get("suffix_accept") if "settings" in data else data)
+    return check_suffix_accept(data["settings"].get("suffix_accept") if "settings" in data else data)
 
 
 def compare(records: list[dict], table: dict) -> dict:
     """Per-draft predictions of `table` against what the drafts won, summarised."""
     import torch
 
+    from adapt.suffix_fit import suffix_rows
     from adapt.trace_data import TraceTable
-    from policies.adaptive import suffix_slot_accept
+    from policies.adaptive import suffix_draft_accept
 
     t = TraceTable.from_records(records)
-    rows = np.flatnonzero((t.steps == -1) & (t.draft_len > 0))
+    rows = suffix_rows(t)
     if rows.size == 0:
         return {"drafts": 0}
     k = t.draft_len[rows]
-    Ks = int(k.max())
     sampled = t.temperature[rows] > 0
-    cond = suffix_slot_accept(table, torch.as_tensor(t.suffix_match[rows]),
-                              torch.as_tensor(t.confidence[rows][:, :Ks]).float(), Ks, torch.as_tensor(sampled))
-    pred = (cond.cumprod(1) * (torch.arange(Ks)[None] < torch.as_tensor(k)[:, None])).sum(1).numpy()  # [R]
+    pred = suffix_draft_accept(table, torch.as_tensor(t.suffix_match[rows]),                          # [R]
+                               torch.as_tensor(t.confidence[rows][:, :int(k.max())]).float(), torch.as_tensor(k),
+                               torch.as_tensor(sampled)).sum(1).numpy()
     won = t.accepted[rows].astype(np.float64)                                                           # [R]
     match = t.suffix_match[rows]
 
@@ -100,12 +100,12 @@ def main(argv=None) -> int:
     engine, prompts = workload_engine(args.pair, "mixed", 8 if args.mode == "static" else args.load, longest)
     runs: dict[str, list[dict]] = {}
     if args.mode == "static":
-        from adapt.suffix_fit import collect_suffix_traces
+        from adapt.suffix_fit import collect_suffix_traces, parse_temperatures
         from workers.pairs import get_pair
 
         target = get_pair(args.pair).target
         del engine
-        for temp in (float(x) for x in args.temperatures.split(",")):
+        for temp in parse_temperatures(args.temperatures):
             runs[f"static T={temp:g}"] = collect_suffix_traces(target, prompts[:args.prompts], args.max_tokens,
                                                                temperature=temp, seed=7)
     else:
