@@ -224,7 +224,7 @@ def test_engine_option_wide_fp32_reaches_target_and_drafter():
     from workers.engine import Engine, EngineConfig
 
     for on in (True, False):
-        engine = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64, wide_fp32=on))
+        engine = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64, wide_fp32=on, wide_rows=WIDE_ROWS))
         modules = [*engine.target.modules(), *engine.drafter.modules()]
         if engine.drafter.draft_head is not None:
             modules.append(engine.drafter.draft_head)
@@ -233,3 +233,74 @@ def test_engine_option_wide_fp32_reaches_target_and_drafter():
     assert validate_engine_options({"wide_fp32": False}) == {"wide_fp32": False}
     with pytest.raises(ValueError, match="wide_fp32"):
         validate_engine_options({"wide_fp32": "yes"})
+
+
+# -- wide thresholds timed per weight shape (workers/wide_rows.py) ---------------------------------
+
+def test_crossover_reads_the_fitted_cost_lines():
+    from workers.wide_rows import _crossover
+
+    rows = (6, 8, 10, 12)
+    bf16 = {r: 10.0 * r for r in rows}                     # emulated bf16: grows with every row
+    assert _crossover(bf16, {r: 75.0 + 0.5 * r for r in rows}) == 8   # 79 <= 80 at 8, not at 7
+    noisy = {r: 75.0 + 0.5 * r for r in rows} | {12: 130.0}  # one slow timing (fp32 loses at 12)
+    assert 8 <= _crossover(bf16, noisy) <= 10  # the line moves by a row or two; one by one it would say 12
+    assert _crossover(bf16, {r: 500.0 for r in rows}) == 12  # never wins: the largest candidate
+    assert _crossover(bf16, {r: 1.0 for r in rows}) == 6     # always wins: the smallest
+
+
+def test_calibration_times_each_shape_once_and_sets_only_wide_path_linears(tmp_path, monkeypatch):
+    """On a CPU with emulated bf16 every linear a forward calls gets its shape's timed crossover
+    (fused projections, not their unused parts); a process times a shape once; fp32 weights and
+    linears with the wide path off are left alone."""
+    import workers.wide_rows as wide
+
+    monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)  # as on an AVX2-only CPU
+    monkeypatch.setattr(wide, "_MEMO", {})
+    timed = []
+    real = wide._time_crossover
+
+    def counting(layers, candidates, repeats):
+        timed.append((layers[0].out_features, layers[0].in_features, len(layers)))
+        return real(layers, candidates, repeats)
+
+    monkeypatch.setattr(wide, "_time_crossover", counting)
+    path = make_tiny_target(tmp_path / "t", family="llama", vocab=64, seed=1)
+    model = load_target(path, dtype=torch.bfloat16)
+    table = wide.calibrate_wide_rows(model)
+    calls = wide.forward_linears(model)
+    assert {(m.out_features, m.in_features) for m in calls} == set(table)
+    assert len(timed) == len(table)  # one timing per shape
+    assert all(min(wide.CANDIDATE_ROWS) <= rows <= max(wide.CANDIDATE_ROWS) for rows in table.values())
+    assert all(m.wide_rows == table[(m.out_features, m.in_features)] for m in calls)
+    layer = model.model.layers[0]
+    assert layer.self_attn.fused("qkv") in calls and layer.self_attn.q_proj not in calls
+    again = load_target(path, dtype=torch.bfloat16)
+    assert wide.calibrate_wide_rows(again) == table and len(timed) == len(table)  # memo: not timed again
+    off = load_target(path, dtype=torch.bfloat16, wide_rows=None)
+    assert wide.calibrate_wide_rows(off) == {} and {m.wide_rows for m in wide.forward_linears(off)} == {None}
+    assert wide.calibrate_wide_rows(load_target(path, dtype=torch.float32)) == {}
+
+
+def test_engine_wide_rows_option(monkeypatch):
+    """`EngineConfig.wide_rows`: "auto" times the crossovers (where bf16 is emulated) and keeps
+    them in `Engine.wide_table`; an int is every layer's threshold; anything else is refused by
+    name, by the engine and by serving's option check."""
+    from adapt.serving.engine_options import validate_engine_options
+    from workers.engine import Engine, EngineConfig
+    from workers.request import EngineInputError
+    from workers.wide_rows import forward_linears
+
+    monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)
+    auto = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64))
+    calls = forward_linears(auto.target, auto.drafter)
+    assert auto.wide_table and {m.wide_rows for m in calls} == set(auto.wide_table.values())
+    fixed = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64, wide_rows=7))
+    assert fixed.wide_table == {} and {m.wide_rows for m in forward_linears(fixed.target, fixed.drafter)} == {7}
+    for bad in (0, "fast", True):
+        with pytest.raises(EngineInputError, match="wide_rows"):
+            Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64, wide_rows=bad))
+    assert validate_engine_options({"wide_rows": 7}) == {"wide_rows": 7}
+    assert validate_engine_options({"wide_rows": "auto"}) == {"wide_rows": "auto"}
+    with pytest.raises(ValueError, match="wide_rows"):
+        validate_engine_options({"wide_rows": "fast"})

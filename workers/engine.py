@@ -34,6 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -72,6 +73,10 @@ class EngineConfig:
     bf16/fp16 matmuls (AVX2 only), run matmuls of `WIDE_ROWS` or more tokens (prefill, wide
     verifies, batches of 10+) through fp32 copies of the weights, ~4x faster for prefill at the
     price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere);
+    wide_rows: from how many tokens a matmul is wide: "auto" = each weight shape's crossover of
+    the two paths, timed at start-up (workers/wide_rows.py: ~3 s on SmolLM2, once per process;
+    `Engine.wide_table` holds the answer), or one int for every layer (`WIDE_ROWS` = 10 was the
+    constant before);
     compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode
     forwards and the drafter's denoising pass as compiled programs (workers/compiled.py; call
     `warm_up()` before serving, or the first steps of each kind compile on the spot); suffix:
@@ -98,6 +103,7 @@ class EngineConfig:
     seed: int = 0  # seeds the generators of requests that bring no seed
     shape_aware_linear: bool = True
     wide_fp32: bool = True
+    wide_rows: int | Literal["auto"] = "auto"
     compile: bool | str = False
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
@@ -132,7 +138,11 @@ class Engine:
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
         self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
                                                      and not self.compiled)
-        wide_rows = WIDE_ROWS if config.wide_fp32 else None
+        auto_wide = config.wide_rows == "auto"
+        if not auto_wide and not (isinstance(config.wide_rows, int) and not isinstance(config.wide_rows, bool)
+                                  and config.wide_rows >= 1):
+            raise EngineInputError(f"wide_rows must be 'auto' or an int >= 1, got {config.wide_rows!r}")
+        wide_rows = (WIDE_ROWS if auto_wide else config.wide_rows) if config.wide_fp32 else None
         self.target = load_target(config.target, self.dtype, self.device, shape_aware=config.shape_aware_linear,
                                   wide_rows=wide_rows)
         tcfg = self.target.config
@@ -154,6 +164,14 @@ class Engine:
             self.drafter.bind(self.target.model.embed_tokens, self.target.lm_head).eval().requires_grad_(False)
             self.block = self.drafter.config.block_size
             self.capture = tuple(self.drafter.config.target_layer_ids)
+        # {(out, in): rows} of the weight shapes whose wide threshold was timed here (empty where
+        # no matmul takes the wide fp32 path: fp32 weights, a GPU, a CPU with native bf16)
+        self.wide_table: dict[tuple[int, int], int] = {}
+        if auto_wide and wide_rows is not None and not self.compiled:
+            from workers.wide_rows import calibrate_wide_rows
+
+            heads = [] if self.drafter is None or self.drafter.draft_head is None else [self.drafter.draft_head]
+            self.wide_table = calibrate_wide_rows(self.target, *([self.drafter] if self.drafter else []), *heads)
         # the widest draft verified: the drafter's block, or the suffix drafter's cap without one
         self.width = self.block or (SUFFIX_WIDTH if config.suffix else 0)
         self.suffix = (SuffixDrafter(SuffixConfig(max_draft=self.width, global_tokens=config.suffix_global_tokens))

@@ -26,9 +26,11 @@ the forward is told so (`start_value`), as the engine does for such batches.
 in turns, for more shapes (B x T tokens from 1 to 136): where OpenMP's fork/join per op costs more
 than the second core gives back.
 
-`--wide-table` times the default forward with and without wide fp32 matmuls (`WIDE_ROWS`,
-workers/linear.py), in turns, from one token to a 256-token prefill. Where the CPU has native
-bf16 matmuls both variants are the same program (the wide path never applies).
+`--wide-table` times the default forward with wide fp32 matmuls from each weight shape's timed
+crossover (`auto`, the engine's default: workers/wide_rows.py), from the one constant `WIDE_ROWS`
+(`fixed`, workers/linear.py) and without them (`off`), in turns, from one token to a 256-token
+prefill. Where the CPU has native bf16 matmuls the variants are the same program (the wide path
+never applies).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import torch
 from torch.nn import functional as F
 
 SHAPES = ((1, 1), (1, 17), (8, 1), (8, 17))
-WIDE_SHAPES = ((1, 1), (1, 4), (4, 1), (1, 8), (8, 1), (1, 17), (16, 1), (8, 3), (8, 17), (1, 256))
+WIDE_SHAPES = ((1, 1), (1, 4), (4, 1), (1, 6), (1, 7), (1, 8), (8, 1), (1, 9), (1, 10), (1, 12), (12, 1),
+               (1, 17), (16, 1), (8, 3), (8, 17), (1, 256))
 THREAD_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (1, 8), (1, 17), (2, 17), (4, 17), (8, 17))
 LINEAR_SHAPES = ((256, 768), (256, 256), (768, 256), (256, 1536), (256, 4096))
 LINEAR_ROWS = (1, 2, 4, 8, 17, 136)
@@ -154,30 +157,42 @@ def thread_table(target: str, dtype: torch.dtype, context: int, iters: int, thre
 
 
 def wide_table(target: str, dtype: torch.dtype, context: int, iters: int, rounds: int = 5) -> dict:
-    """The default forward with wide fp32 matmuls (`on`) and without (`off`), in turns (median of
-    `rounds`), per shape; `on/off` < 1 where the wide path pays."""
+    """The default forward with wide fp32 matmuls from the timed per-shape crossovers (`auto`), from
+    `WIDE_ROWS` (`fixed`) and without (`off`), in turns (median of `rounds`), per shape;
+    `auto/off` and `fixed/off` < 1 where the wide path pays, `auto/fixed` < 1 where timing the
+    crossover pays. One model whose layers' thresholds are switched between the variants, so all
+    three read the same weights from the same memory."""
     import statistics
 
     from workers.linear import WIDE_ROWS, can_pack
     from workers.target_model import load_target
+    from workers.wide_rows import calibrate_wide_rows, forward_linears
 
-    models = {"on": load_target(target, dtype), "off": load_target(target, dtype, wide_rows=None)}
-    caches = {k: m.new_cache(max(b for b, _ in WIDE_SHAPES), context + 300) for k, m in models.items()}
+    model = load_target(target, dtype)
+    crossovers = calibrate_wide_rows(model)
+    linears = [m for m in forward_linears(model) if m.wide_rows is not None]
+    never = 1 << 30  # a threshold no forward reaches: the wide path off
+    settings = {"auto": [m.wide_rows for m in linears], "fixed": [WIDE_ROWS] * len(linears),
+                "off": [never] * len(linears)}
+    cache = model.new_cache(max(b for b, _ in WIDE_SHAPES), context + 300)
     gen = torch.Generator().manual_seed(0)
-    out = {"wide_rows": WIDE_ROWS, "native_low_precision": can_pack(next(models["on"].parameters()))}
+    out = {"wide_rows": WIDE_ROWS, "native_low_precision": can_pack(next(model.parameters())),
+           "crossovers": {f"{o}x{i}": rows for (o, i), rows in crossovers.items()}}
     with torch.inference_mode():
         for b, T in WIDE_SHAPES:
             ids = torch.randint(0, 100, (b, T), generator=gen)
             start = torch.full((b,), context)
             n = max(1, iters // max(1, b * T // 8))
-            ms = {k: [] for k in models}
+            ms = {k: [] for k in settings}
             for r in range(rounds):
-                for k in (("on", "off") if r % 2 else ("off", "on")):
-                    m, c = models[k], caches[k]
-                    ms[k].append(_best_us(lambda: m(ids, start, c, 0, context + T, start_value=context), n, reps=1) / 1e3)
+                for k in (list(settings) if r % 2 else list(settings)[::-1]):
+                    for m, rows in zip(linears, settings[k]):
+                        m.wide_rows = rows
+                    ms[k].append(_best_us(lambda: model(ids, start, cache, 0, context + T, start_value=context), n, reps=1) / 1e3)
             med = {k: statistics.median(v) for k, v in ms.items()}
-            out[f"B={b} T={T}"] = {"on": round(med["on"], 2), "off": round(med["off"], 2),
-                                   "on/off": round(med["on"] / med["off"], 3)}
+            out[f"B={b} T={T}"] = {k: round(v, 2) for k, v in med.items()} | {
+                "auto/off": round(med["auto"] / med["off"], 3), "fixed/off": round(med["fixed"] / med["off"], 3),
+                "auto/fixed": round(med["auto"] / med["fixed"], 3)}
     return out
 
 
@@ -196,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
     ap.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
     ap.add_argument("--thread-table", action="store_true", help="also time the default forward at 1 vs --threads threads")
-    ap.add_argument("--wide-table", action="store_true", help="only time the default forward with wide fp32 matmuls on vs off")
+    ap.add_argument("--wide-table", action="store_true", help="only time the default forward with wide fp32 matmuls auto vs fixed vs off")
     ap.add_argument("--out", help="also write the report (JSON) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
