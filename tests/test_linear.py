@@ -251,11 +251,15 @@ def test_crossover_reads_the_fitted_cost_lines():
 
 def test_calibration_times_each_shape_once_and_sets_only_wide_path_linears(tmp_path, monkeypatch):
     """On a CPU with emulated bf16 every linear a forward calls gets its shape's timed crossover
-    (fused projections, not their unused parts); a process times a shape once; fp32 weights and
-    linears with the wide path off are left alone."""
+    (fused projections, not their unused parts); a machine times a shape once (a later process
+    reads the cache directory's JSON); fp32 weights and linears with the wide path off are left
+    alone."""
+    import json
+
     import workers.wide_rows as wide
 
     monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)  # as on an AVX2-only CPU
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(wide, "_MEMO", {})
     timed = []
     real = wide._time_crossover
@@ -277,12 +281,20 @@ def test_calibration_times_each_shape_once_and_sets_only_wide_path_linears(tmp_p
     assert layer.self_attn.fused("qkv") in calls and layer.self_attn.q_proj not in calls
     again = load_target(path, dtype=torch.bfloat16)
     assert wide.calibrate_wide_rows(again) == table and len(timed) == len(table)  # memo: not timed again
+    stored = json.loads((tmp_path / "cache" / "crossovers.json").read_text())
+    assert sorted(stored.values()) == sorted(table.values())
+    monkeypatch.setattr(wide, "_MEMO", {})  # as a new process on the same machine
+    assert wide.calibrate_wide_rows(load_target(path, dtype=torch.bfloat16)) == table and len(timed) == len(table)
+    (tmp_path / "cache" / "crossovers.json").write_text("[1, 2")  # a damaged file: timed again, rewritten
+    monkeypatch.setattr(wide, "_MEMO", {})
+    wide.calibrate_wide_rows(load_target(path, dtype=torch.bfloat16))
+    assert len(timed) == 2 * len(table) and json.loads((tmp_path / "cache" / "crossovers.json").read_text())
     off = load_target(path, dtype=torch.bfloat16, wide_rows=None)
     assert wide.calibrate_wide_rows(off) == {} and {m.wide_rows for m in wide.forward_linears(off)} == {None}
     assert wide.calibrate_wide_rows(load_target(path, dtype=torch.float32)) == {}
 
 
-def test_engine_wide_rows_option(monkeypatch):
+def test_engine_wide_rows_option(tmp_path, monkeypatch):
     """`EngineConfig.wide_rows`: "auto" times the crossovers (where bf16 is emulated) and keeps
     them in `Engine.wide_table`; an int is every layer's threshold; anything else is refused by
     name, by the engine and by serving's option check."""
@@ -292,6 +304,7 @@ def test_engine_wide_rows_option(monkeypatch):
     from workers.wide_rows import forward_linears
 
     monkeypatch.setattr("workers.linear.can_pack", lambda weight: False)
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
     auto = Engine(EngineConfig(dtype="bfloat16", max_batch=2, max_len=64))
     calls = forward_linears(auto.target, auto.drafter)
     assert auto.wide_table and {m.wide_rows for m in calls} == set(auto.wide_table.values())

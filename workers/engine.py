@@ -74,9 +74,9 @@ class EngineConfig:
     verifies, batches of 10+) through fp32 copies of the weights, ~4x faster for prefill at the
     price of an fp32 copy of the weights in memory (workers/linear.py; no effect elsewhere);
     wide_rows: from how many tokens a matmul is wide: "auto" = each weight shape's crossover of
-    the two paths, timed at start-up (workers/wide_rows.py: ~3 s on SmolLM2, once per process;
-    `Engine.wide_table` holds the answer), or one int for every layer (`WIDE_ROWS` = 10 was the
-    constant before);
+    the two paths, timed at start-up (workers/wide_rows.py: ~4 s on SmolLM2, once per machine,
+    kept in the cache directory; `Engine.wide_table` holds the answer), or one int for every
+    layer (`WIDE_ROWS` = 10 was the constant before);
     compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode
     forwards and the drafter's denoising pass as compiled programs (workers/compiled.py; call
     `warm_up()` before serving, or the first steps of each kind compile on the spot); suffix:

@@ -18,8 +18,14 @@ measures its own layers at start-up (`EngineConfig.wide_rows="auto"`): a few sec
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
+import platform
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,9 +37,9 @@ __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
 
 # Row counts timed (the crossover may fall between them). Below 6 emulated bf16 won on every shape measured; the largest candidate is the
 # threshold when fp32 never wins, so a prefill (hundreds of rows, where fp32 is ~4x faster) still
-# takes the fp32 path. On SmolLM2 (target and drafter) timing them takes ~5 s, once per process.
+# takes the fp32 path. On SmolLM2 (target and drafter) timing them takes ~4 s, once per machine.
 CANDIDATE_ROWS = (6, 8, 10, 12)
-_MEMO: dict[tuple, int] = {}  # (shape, layers, dtype, threads, candidates) -> crossover, per process
+_MEMO: dict[str, int] = {}  # `_key` -> crossover, this process's copy of the stored ones
 
 
 def forward_linears(*modules: nn.Module) -> list[ShapeAwareLinear]:
@@ -91,22 +97,80 @@ def calibrate_wide_rows(*modules: nn.Module, candidates: tuple[int, ...] = CANDI
     weights come from memory as in a forward (a few of them would sit in the caches, which favours
     the fp32 path unfairly). Returns {(out_features, in_features): rows}; empty
     (and nothing timed) where no layer takes the wide path. Builds the fp32 copies (a prefill
-    would build them anyway). A process times each (shape, number of layers, dtype, threads) once
-    and reuses the answer for later engines. Call it after the last cast: `.to()` rebuilds fused
-    projections with the `wide_rows` they were fused with."""
+    would build them anyway). Call it after the last cast: `.to()` rebuilds fused projections
+    with the `wide_rows` they were fused with.
+
+    Each (shape, number of layers, dtype, threads) is timed once per machine: the answer is kept
+    in the process and in `crossovers.json` of the cache directory (`workers.pull.cache_root`,
+    under a file lock), which later processes read. So every worker on a machine uses the same
+    thresholds and decodes bf16 rows with the same numerics (a path change may flip a near-tie
+    of greedy decoding); delete the file to time again."""
     groups: dict[tuple[int, int], list[ShapeAwareLinear]] = defaultdict(list)
     for lin in forward_linears(*modules):
         if lin.wide_rows is not None and wants_wide_shadow(lin.weight):
             groups[(lin.out_features, lin.in_features)].append(lin)
-    table: dict[tuple[int, int], int] = {}
+    if not groups:
+        return {}
+    keys = {shape: _key(shape, len(layers), layers[0].weight.dtype, candidates) for shape, layers in groups.items()}
+    if any(key not in _MEMO for key in keys.values()):
+        with _stored_crossovers() as stored:
+            for shape, layers in groups.items():
+                key = keys[shape]
+                if key not in stored:
+                    stored[key] = _time_crossover(layers, candidates, repeats)
+                _MEMO[key] = stored[key]
+    table = {shape: _MEMO[keys[shape]] for shape in groups}
     for shape, layers in groups.items():
-        key = (shape, len(layers), layers[0].weight.dtype, torch.get_num_threads(), candidates)
-        if key not in _MEMO:
-            _MEMO[key] = _time_crossover(layers, candidates, repeats)
-        table[shape] = _MEMO[key]
         for lin in layers:
             lin.wide_rows = table[shape]  # read per call: nothing to rebuild
     return table
+
+
+def _key(shape: tuple[int, int], layers: int, dtype: torch.dtype, candidates: tuple[int, ...]) -> str:
+    """What a stored crossover is valid for: this CPU, torch, threads, the shape and its layers."""
+    return "|".join([_cpu_name(), torch.__version__, f"threads={torch.get_num_threads()}", str(dtype),
+                     f"{shape[0]}x{shape[1]}x{layers}", "rows=" + ",".join(map(str, candidates))])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@contextlib.contextmanager
+def _stored_crossovers():
+    """{key: rows} from `crossovers.json` in the cache directory, held under an exclusive lock
+    and written back (atomically) on exit; a plain dict where the directory is not writable."""
+    from workers.pull import cache_root
+
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / "crossovers.lock", "w")
+    except OSError:
+        yield {}
+        return
+    path = root / "crossovers.json"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            stored = json.loads(path.read_text())
+            if not isinstance(stored, dict):
+                stored = {}
+        except (OSError, ValueError):
+            stored = {}
+        stored = {k: v for k, v in stored.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 1}
+        before = dict(stored)
+        yield stored
+        if stored != before:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+            tmp.replace(path)
 
 
 def _time_crossover(layers: list[ShapeAwareLinear], candidates: tuple[int, ...], repeats: int) -> int:
