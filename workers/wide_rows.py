@@ -175,6 +175,7 @@ def _stored_crossovers():
 
 def _time_crossover(layers: list[ShapeAwareLinear], candidates: tuple[int, ...], repeats: int) -> int:
     """The crossover of one shape's layers, timed (see `calibrate_wide_rows`)."""
+    repeats = max(repeats, min(8, 16 // len(layers)))  # a lone layer (an LM head): more timings
     weights = [lin.weight.detach() for lin in layers]  # [out, in] each
     shadows = [lin._shadow()[0] for lin in layers]
     bf16_s, fp32_s = {}, {}
