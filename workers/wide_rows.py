@@ -11,9 +11,10 @@ Words used here (see workers/linear.py for the paths themselves):
 
 The crossover depends on the machine (cores, caches, memory bandwidth) and the shape: measured on
 SmolLM2-135M, two threads, an AMD EPYC with AVX2 only, the attention and MLP projections cross at
-6–8 rows and the 49,152-row LM head at ~10 (docs/engine.md, "Wide fp32 matmuls"). One constant
-(`WIDE_ROWS`) for every layer leaves ~10 % of an 8-token forward on the table, so an engine
-measures its own layers at start-up (`EngineConfig.wide_rows="auto"`): a few seconds, once.
+6–8 rows and the 49,152-row LM head at 6–12 (docs/engine.md, "Per-shape thresholds timed at
+start-up"). One constant (`WIDE_ROWS`) for every layer left ~10 % of an 8-token forward on the
+table, so an engine times its own layers at start-up (`EngineConfig.wide_rows="auto"`): a few
+seconds, once per machine.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from workers.linear import Fusable, ShapeAwareLinear, wants_wide_shadow
 
 __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
 
-# Row counts timed (the crossover may fall between them). Below 6 emulated bf16 won on every shape measured; the largest candidate is the
-# threshold when fp32 never wins, so a prefill (hundreds of rows, where fp32 is ~4x faster) still
+# Row counts timed (the crossover may fall between them). Below 6 emulated bf16 won on every shape
+# measured; the largest candidate is the threshold when fp32 never wins, so a prefill (hundreds of rows, where fp32 is ~4x faster) still
 # takes the fp32 path. On SmolLM2 (target and drafter) timing them takes ~4 s, once per machine.
 CANDIDATE_ROWS = (6, 8, 10, 12)
 _MEMO: dict[str, int] = {}  # `_key` -> crossover, this process's copy of the stored ones
