@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -37,8 +38,9 @@ from workers.linear import Fusable, ShapeAwareLinear, wants_wide_shadow
 __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
 
 # Row counts timed (the crossover may fall between them). Below 6 emulated bf16 won on every shape
-# measured; the largest candidate is the threshold when fp32 never wins, so a prefill (hundreds of rows, where fp32 is ~4x faster) still
-# takes the fp32 path. On SmolLM2 (target and drafter) timing them takes ~4 s, once per machine.
+# measured; the largest candidate is the threshold when fp32 never wins, so a prefill (hundreds of
+# rows, where fp32 is ~4x faster) still takes the fp32 path. On SmolLM2 (target and drafter)
+# timing them takes ~4 s, once per machine.
 CANDIDATE_ROWS = (6, 8, 10, 12)
 _MEMO: dict[str, int] = {}  # `_key` -> crossover, this process's copy of the stored ones
 
@@ -50,10 +52,12 @@ def forward_linears(*modules: nn.Module) -> list[ShapeAwareLinear]:
     found: dict[int, ShapeAwareLinear] = {}
     for module in modules:
         for m in module.modules():
-            if isinstance(m, Fusable) and m.__dict__.get("_fused"):
+            if isinstance(m, Fusable):
                 for name, paths in m.FUSE.items():
+                    fused = m.fused(name)  # None until `fuse()`: then the parts are called
+                    if fused is None:
+                        continue
                     parts.update(id(m.get_submodule(p)) for p in paths)
-                    fused = m.fused(name)
                     if isinstance(fused, ShapeAwareLinear):
                         found[id(fused)] = fused
             if isinstance(m, ShapeAwareLinear):
@@ -133,6 +137,7 @@ def _key(shape: tuple[int, int], layers: int, dtype: torch.dtype, candidates: tu
                      f"{shape[0]}x{shape[1]}x{layers}", "rows=" + ",".join(map(str, candidates))])
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
