@@ -23,12 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 from adapt.cost_model import CostModel
 from adapt.predictor import AcceptancePredictor
+from workers.atomic_file import write_text_atomic
 
 SCHEMA = "adapt-policy"
 SCHEMA_VERSION = 2  # 2: recent acceptance per position, predictor.typical_recent
@@ -77,18 +77,7 @@ def dumps(policy: PolicyFile) -> str:
 def save(policy: PolicyFile, path: str | os.PathLike) -> str:
     """Write ``policy`` to ``path`` atomically; returns the version string written."""
     text = dumps(policy)
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".policy-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, text)
     return json.loads(text)["version"]
 
 

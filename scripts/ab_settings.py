@@ -20,7 +20,7 @@ engine per policy, the runs taking turns one engine step at a time, each timed b
 runs only during its own turns, so that every row of a round meets the same drift.
 
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
-per step, held share (adaptive), draft sources and (adaptive) the suffix calibration (mean
+per step, held share (adaptive), the two SLA targets (``sla_ms``: tight and loose, ``--sla-ms``), draft sources and (adaptive) the suffix calibration (mean
 predicted against measured step ms of its suffix choices, per kind, `plan` or `wide`, and batch
 bucket) and suffix acceptance (drafts taken, the online ratio; `AdaptivePolicy.stats`) are
 written as JSON, one row per (load, policy), with every round's goodput, SLA attainment, draft
@@ -79,6 +79,10 @@ def main(argv=None) -> int:
                         "each, named NAME+MODE for modes other than 'all'")
     p.add_argument("--admission-max-wait-ms", type=float, default=1000.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sla-ms", type=float, default=None,
+                   help="the tight per-token latency target in ms (the loose one is 4x); default: one profiled "
+                        "step of K + 1 tokens at batch 1 on this run's engine, which moves with the machine's load "
+                        "at start-up, so give a fixed value to compare SLA attainment across runs")
     p.add_argument("--interleave", action="store_true",
                    help="one engine per policy, all runs of a round taking turns step by step, each timed by "
                         "its own clock (adapt/bench/interleave.py): the machine's drift is shared by every row")
@@ -100,7 +104,9 @@ def main(argv=None) -> int:
     pf = load(args.policy_file)
     pf.cost = profile_engine(engine)
     K = engine.block
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    t1 = args.sla_ms if args.sla_ms is not None else float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    if not t1 > 0:
+        p.error(f"--sla-ms must be positive, got {args.sla_ms}")
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     variants = dict(parse_variant(v) for v in args.variant)
 
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]
             rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n,
-                         "length_spread": args.length_spread, "admission": n.partition("+")[2] or "all",
+                         "length_spread": args.length_spread, "sla_ms": [round(t1, 1), round(4 * t1, 1)],
+                         "admission": n.partition("+")[2] or "all",
                          "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),
                          "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
                          "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),

@@ -75,9 +75,10 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     out = tmp_path / "ab.json"
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
-                           "--out", str(out)]) == 0
+                           "--sla-ms", "40", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive"]
+    assert all(r["sla_ms"] == [40.0, 160.0] for r in rows)  # fixed targets, not this run's profile
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0 and 0.0 <= r["sla_attainment"] <= 1.0
     assert len(rows[2]["paired_ratio_rounds"]) == 2 and rows[2]["paired_ratio"] > 0

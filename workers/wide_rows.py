@@ -23,7 +23,6 @@ import contextlib
 import fcntl
 import functools
 import json
-import os
 import platform
 import time
 from collections import defaultdict
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from workers.atomic_file import write_text_atomic
 from workers.linear import Fusable, ShapeAwareLinear, wants_wide_shadow
 
 __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
@@ -174,9 +174,7 @@ def _stored_crossovers():
         before = dict(stored)
         yield stored
         if stored != before:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps(stored, indent=1, sort_keys=True) + "\n")
 
 
 def _time_crossover(layers: list[ShapeAwareLinear], candidates: tuple[int, ...], repeats: int) -> int:
