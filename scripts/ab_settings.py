@@ -1,6 +1,7 @@
 """A/B of adaptive-policy settings, live through the engine, side by side in one run.
 
-Runs `ar`, `suffix` and the adaptive policy with each `--variant` of its settings (and the
+Runs `ar`, `suffix` (``--static`` adds or replaces static configurations, e.g. ``static-4``:
+diffusion drafts of 4 tokens every step) and the adaptive policy with each `--variant` of its settings (and the
 policy file's own settings as `adaptive`) on one pair and workload, at each load, every round in
 a rotated order; a row is its median-goodput round. Example (the stop-17 decision-cadence A/B):
 
@@ -50,15 +51,22 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, settings
 
 
-STATIC = ("ar", "suffix")  # the static configurations every adaptive row is compared with
+STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
+STATIC_CHOICES = ("ar", "suffix", "static", "batch-schedule", "dspark")  # adapt.bench.policies.BASELINES
 ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # kept per round
 
 
-def paired_ratios(runs: dict[str, list[dict]], name: str) -> list[float]:
-    """Per round, ``name``'s goodput over the best static policy's in the same round and
-    admission mode (``runs``: policy name -> its runs, in round order)."""
+def _static_len(name: str) -> int | None:
+    """K of a ``static-K`` name (diffusion drafts of K tokens, one step), else None."""
+    head, _, k = name.partition("-")
+    return int(k) if head == "static" and k.isdigit() and int(k) >= 1 else None
+
+
+def paired_ratios(runs: dict[str, list[dict]], name: str, baselines=STATIC) -> list[float]:
+    """Per round, ``name``'s goodput over the best static policy's (of ``baselines``) in the same
+    round and admission mode (``runs``: policy name -> its runs, in round order)."""
     mode = name.partition("+")[2]
-    static = [s if not mode else f"{s}+{mode}" for s in STATIC]
+    static = [s if not mode else f"{s}+{mode}" for s in baselines]
     return [r["goodput_tok_s"] / max(max(runs[s][i]["goodput_tok_s"] for s in static if s in runs), 1e-9)
             for i, r in enumerate(runs[name])]
 
@@ -73,6 +81,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="requests ask for max_tokens * (1 +- spread) tokens, evenly spread (adapt.replay.make_mix)")
+    p.add_argument("--static", default=",".join(STATIC),
+                   help="the static configurations to run and compare with, comma-separated, of "
+                        + ", ".join(STATIC_CHOICES) + ", or static-K (static: diffusion drafts of 16 tokens, one step; static-K: K tokens)")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
     p.add_argument("--admission", default="all",
                    help="engine admission modes, comma-separated (workers/admission.py); every policy runs under "
@@ -88,6 +99,9 @@ def main(argv=None) -> int:
                         "its own clock (adapt/bench/interleave.py): the machine's drift is shared by every row")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    baselines = [x.strip() for x in args.static.split(",") if x.strip()]
+    if not baselines or any(_static_len(b) is None and b not in STATIC_CHOICES for b in baselines):
+        p.error(f"--static: names of {', '.join(STATIC_CHOICES)} or static-K (K drafted tokens), got {args.static!r}")
 
     import torch
 
@@ -111,12 +125,14 @@ def main(argv=None) -> int:
     variants = dict(parse_variant(v) for v in args.variant)
 
     def make(name):
+        if _static_len(name) is not None:
+            return build_policy("static", pf, draft_len=_static_len(name))
         if name in variants:
             return build_policy("adaptive", pf, steps_grid=grid, **variants[name])
         return make_policy(name, pf, steps_grid=grid, width=K)
 
     modes = [m.strip() for m in args.admission.split(",") if m.strip()]
-    base = ["ar", "suffix", "adaptive", *variants]
+    base = [*baselines, "adaptive", *variants]
     names = [n if m == "all" else f"{n}+{m}" for m in modes for n in base]
     rows = []
     engine.config.admission_max_wait_ms = args.admission_max_wait_ms
@@ -163,8 +179,8 @@ def main(argv=None) -> int:
                          "suffix_calibration": m["suffix_calibration"], "suffix_accept": m["suffix_accept"],
                          # every round's own (a slow round's choices differ from the median one's)
                          "rounds": [{key: r.get(key) for key in ROUND_KEYS} for r in runs[n]]})
-            if n.partition("+")[0] not in STATIC:
-                ratios = paired_ratios(runs, n)
+            if n.partition("+")[0] not in baselines:
+                ratios = paired_ratios(runs, n, baselines)
                 rows[-1].update(paired_ratio_rounds=[round(x, 3) for x in ratios],
                                 paired_ratio=round(statistics.median(ratios), 3))
             print(json.dumps(rows[-1]), flush=True)

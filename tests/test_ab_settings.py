@@ -40,6 +40,13 @@ def test_a_variant_reads_json_values_and_tables_from_files(tmp_path):
     assert name == "old" and settings == {"hold_max": 0, "suffix_vote": False, "suffix_accept": table}
 
 
+@pytest.mark.parametrize("static", ["ar,bogus", "static-0", ""])
+def test_unknown_static_configurations_are_refused_by_name(tmp_path, static, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _script().main(["--policy-file", str(tmp_path / "p.json"), "--static", static, "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--static" in capsys.readouterr().err
+
+
 def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     from adapt.commands.policy import fit_policy
     from adapt.policy_file import save
@@ -75,11 +82,16 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     out = tmp_path / "ab.json"
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
-                           "--sla-ms", "40", "--out", str(out)]) == 0
+                           "--sla-ms", "40", "--static", "ar,suffix,static-4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive"]
+    assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "adaptive"]
+    assert rows[2]["source_share"].get("diffusion", 0) > 0  # static-4 drafts with the diffusion drafter
+    best = [max(r["goodput_rounds"][i] for r in rows[:3]) for i in range(2)]
+    assert rows[3]["paired_ratio_rounds"] == pytest.approx([rows[3]["rounds"][i]["goodput_tok_s"] / best[i]
+                                                            for i in range(2)], rel=0.01)
     assert all(r["sla_ms"] == [40.0, 160.0] for r in rows)  # fixed targets, not this run's profile
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0 and 0.0 <= r["sla_attainment"] <= 1.0
-    assert len(rows[2]["paired_ratio_rounds"]) == 2 and rows[2]["paired_ratio"] > 0
-    assert set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}
+    assert len(rows[3]["paired_ratio_rounds"]) == 2 and rows[3]["paired_ratio"] > 0
+    assert "paired_ratio" not in rows[2]  # a static row is a reference, not compared
+    assert set(rows[3]["suffix_accept"]) == {"drafts", "ratio"}
