@@ -17,7 +17,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | row | what runs |
 |---|---|
 | `adapt` | our `Engine` with the drafter, default decisions and knobs |
-| `adapt-policy` | our `Engine` with `adapt serve`'s default decisions: the `adaptive` policy, `models/demo/policy.json`, a cost model profiled at start |
+| `adapt-policy` | our `Engine` with `adapt serve`'s default decisions: the `adaptive` policy, the pair's policy file (`models/smollm2/policy.json`), a cost model profiled at start |
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |

@@ -174,8 +174,8 @@ class AdaptRunner:
     drafter is loaded and its context cache kept, as the engine must when a later request may
     draft); `drafter=None`: an engine without a drafter, the bare autoregressive path.
     `policy="adaptive"`: what `adapt serve` runs by default, the adaptive policy with the policy
-    file shipped beside the drafter's parent (`models/demo/policy.json`, if there) and a cost
-    model profiled on this engine at start, as a serving worker does. `source="suffix"`: static
+    file shipped beside the drafter's parent (`models/smollm2/policy.json` for the smollm2 pair,
+    if there) and a cost model profiled on this engine at start, as a serving worker does. `source="suffix"`: static
     suffix drafts (workers/suffix.py) of up to `draft_len` tokens (default: the engine's widest).
     The suffix drafter's memory of recent outputs starts empty in every `generate` call, so a
     repeated prompt never copies its own earlier answer. `compile`: the engine's
