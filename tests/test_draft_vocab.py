@@ -66,11 +66,24 @@ def test_draft_logits_are_minus_inf_outside_the_draft_vocabulary(small_pair):
     assert torch.equal(full[..., [0, 2, 3, 5, 7]], small)
 
 
-def test_reduced_vocabulary_sampling_is_exact(small_pair):
+def test_q_over_the_draft_vocabulary_spreads_to_zeros_elsewhere():
+    """Drafting keeps q over the draft vocabulary only ([..., Vd]); verification spreads the rows
+    it reads over the whole vocabulary, zero outside the draft ids."""
+    from workers.drafting import expand_to_vocab
+
+    q = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]])           # [2, Vd = 3]
+    full = expand_to_vocab(q, torch.tensor([1, 4, 6]), 8)             # [2, 8]
+    assert full.shape == (2, 8) and torch.equal(full[:, [1, 4, 6]], q)
+    assert torch.equal(full[:, [0, 2, 3, 5, 7]], torch.zeros(2, 5)) and torch.equal(full.sum(-1), q.sum(-1))
+    assert expand_to_vocab(q, None, 3) is q  # no reduced vocabulary: q is already over the whole one
+
+
+@pytest.mark.parametrize("steps", [1, 2])  # 2: the second pass reads the first pass's target ids
+def test_reduced_vocabulary_sampling_is_exact(small_pair, steps):
     target, drafter = small_pair
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32))
     adds = [(f"r{i}", PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True),
-             DecodeKnobs(steps=1, draft_len=4)) for i in range(N)]
+             DecodeKnobs(steps=steps, draft_len=4)) for i in range(N)]
     outs: dict[str, list[int]] = {}
     accepted = 0
     while adds or engine.has_unfinished():

@@ -361,10 +361,11 @@ class BlockDiffusionDrafter(Fusable):
         """One denoising pass as the engine runs it: tokens / masked [B, K + 1] (the anchor first),
         ctx_kv per layer [B, kv, C + K + 1, d] cache views whose last K + 1 columns take the block's
         keys / values, mask [B, 1, C + K + 1] additive or None (attend to all), cos / signed sin
-        [B, K + 1, d] (`rope`). Returns the logits [B, K, V] (float32) of the K drafted positions."""
+        [B, K + 1, d] (`rope`). Returns the logits [B, K, Vd] (float32) of the K drafted positions
+        over the draft vocabulary (`draft_logits`; its target ids are `draft_ids`, or all of them)."""
         hidden = self.forward_block(self.embed_block(tokens, masked), None, ctx_kv, mask, rope=(cos, sin),
                                     block_in_ctx=True)
-        return self.logits(hidden[:, 1:]).float()
+        return self.draft_logits(hidden[:, 1:]).float()
 
     # -- drafting -----------------------------------------------------------------------
     @torch.no_grad()
@@ -385,7 +386,7 @@ class BlockDiffusionDrafter(Fusable):
         Returns tokens [B, K] int64 and q [B, K, V] float32, the distribution each token was
         drawn from (`workers.sampling.probabilities`: softmax(logits / T); plain softmax at T = 0).
         """
-        from workers.drafting import denoise
+        from workers.drafting import denoise, expand_to_vocab
 
         K = block_size or self.config.block_size
         B, dev = anchor.shape[0], anchor.device
@@ -402,9 +403,10 @@ class BlockDiffusionDrafter(Fusable):
 
         def one_pass(tokens, masked):
             hidden = self.forward_block(self.embed_block(tokens, masked), positions, ctx_kv, ctx_mask)
-            return self.logits(hidden[:, 1:]).float()                  # [B, K, V]
+            return self.draft_logits(hidden[:, 1:]).float()            # [B, K, Vd]
 
-        return denoise(one_pass, anchor, s_host, K, temp, None, None, l2r, uniforms)
+        tokens, q = denoise(one_pass, anchor, s_host, K, temp, None, None, l2r, uniforms, self.draft_ids)
+        return tokens, expand_to_vocab(q, self.draft_ids, self.config.vocab_size)
 
     # -- files --------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:

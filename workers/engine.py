@@ -492,7 +492,7 @@ class Engine:
             host = self.verifier.sample_next(logits[:, 0], run, batch.temperature, batch.top_k, batch.top_p, trace_feats)
             Kc = 0
         else:
-            out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q, packed)
+            out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q, packed, drafts.vocab_ids)
             host, Kc = self.verifier.commit(batch, out, trace_feats)  # (5) the step's one host read
         now = self.clock()
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)

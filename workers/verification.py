@@ -22,6 +22,7 @@ from kernels import draw_noise, verify
 from kernels.reference import race
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 from kernels.verify import VerifyOutput
+from workers.drafting import expand_to_vocab
 from workers.sampling import argmax, probabilities
 from workers.step_batch import StepBatch
 
@@ -75,19 +76,22 @@ class Verifier:
         self.counters = counters
         self.device = device
 
-    def verify(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full,
-               packed: torch.Tensor | None = None) -> VerifyOutput:
+    def verify(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q,
+               packed: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> VerifyOutput:
         """logits [B, Tq, V] of each row's anchor and drafts, or [B + N, V] of the `packed`
         positions [B + N] (row-major into [B, Tq]: the ragged layout's order); drafts [B, K];
-        q_full [B, K, V] or None."""
+        q [B, K, Vd] or None: the draft distributions over the draft vocabulary, whose target ids
+        are `q_ids` [Vd] (None: Vd = V, the whole vocabulary)."""
         if batch.plan.all_greedy:
             return self.greedy(logits, drafts, batch.plan.draft_len, packed, batch.plan.max_k + 1)
-        return self.ragged(batch, logits, drafts, q_full, packed)
+        return self.ragged(batch, logits, drafts, q, packed, q_ids)
 
-    def ragged(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q_full,
-               packed: torch.Tensor | None = None) -> VerifyOutput:
+    def ragged(self, batch: StepBatch, logits: torch.Tensor, drafts: torch.Tensor, q,
+               packed: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> VerifyOutput:
         """`kernels.verify` on the ragged flat batch (contracts §2): target rows of each request's
-        anchor and drafts, each request's probabilities, noise and coins from its own generator."""
+        anchor and drafts, each request's probabilities, noise and coins from its own generator.
+        Only the n verified draft positions' q are spread over the whole vocabulary, and only when
+        a rule reads q (greedy and suffix rows never do)."""
         plan, dev = batch.plan, self.device
         B, Tq, V = (len(plan.draft_len_host), plan.max_k + 1, logits.shape[-1]) if packed is not None else logits.shape
         lay, k_host = plan.layout, plan.draft_len_host
@@ -96,22 +100,22 @@ class Verifier:
         if packed is not None:  # the forward gave the ragged target rows already
             logits_flat = logits                                   # [n + B, V]
             draft_flat = drafts[lay.draft_row, lay.draft_col]      # [n]
-            q_flat = q_full[lay.draft_row, lay.draft_col] if needs_q else None  # [n, V]
+            q_flat = q[lay.draft_row, lay.draft_col] if needs_q else None  # [n, Vd]
             rep = lambda t: None if t is None else t[lay.row]
         elif min(k_host) == kmax:  # every row verifies kmax drafts: the ragged layout is a reshape
             logits_flat = logits.reshape(B * Tq, V)
             draft_flat = drafts[:, :kmax].reshape(-1)  # [n]
-            q_flat = q_full[:, :kmax].reshape(n, V) if needs_q else None  # [n, V]
+            q_flat = q[:, :kmax].reshape(n, -1) if needs_q else None  # [n, Vd]
             rep = lambda t: None if t is None else t.repeat_interleave(Tq)
         else:
             logits_flat = logits[lay.row, lay.col]                 # [n + B, V]
             draft_flat = drafts[lay.draft_row, lay.draft_col]      # [n]
-            q_flat = q_full[lay.draft_row, lay.draft_col] if needs_q else None  # [n, V]
+            q_flat = q[lay.draft_row, lay.draft_col] if needs_q else None  # [n, Vd]
             rep = lambda t: None if t is None else t[lay.row]
         p_flat = probabilities(logits_flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))  # [n + B, V]
         noise = draw_noise([r.generator for r in batch.requests], k_host, V, dev, rules=plan.rule_host, layout=lay)
-        if q_flat is not None:
-            q_flat = q_flat.contiguous()  # the kernels read rows by pointer; a no-op when already contiguous
+        if q_flat is not None:  # [n, V], contiguous: the kernels read rows by pointer
+            q_flat = expand_to_vocab(q_flat, q_ids, V).contiguous()
         return verify(draft_flat, lay.cu, p_flat, q_flat, plan.rule, plan.param, plan.param2, noise.uniforms,
                       noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False)
 
