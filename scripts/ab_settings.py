@@ -38,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adapt.bench.policies import BASELINES  # noqa: E402  (the static configurations a run may compare with)
+
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans),
@@ -52,7 +54,6 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
-STATIC_CHOICES = ("ar", "suffix", "static", "batch-schedule", "dspark")  # adapt.bench.policies.BASELINES
 ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # kept per round
 
 
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
                    help="requests ask for max_tokens * (1 +- spread) tokens, evenly spread (adapt.replay.make_mix)")
     p.add_argument("--static", default=",".join(STATIC),
                    help="the static configurations to run and compare with, comma-separated, of "
-                        + ", ".join(STATIC_CHOICES) + ", or static-K (static: diffusion drafts of 16 tokens, one step; static-K: K tokens)")
+                        + ", ".join(BASELINES) + ", or static-K (static: diffusion drafts of 16 tokens, one step; static-K: K tokens)")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
     p.add_argument("--admission", default="all",
                    help="engine admission modes, comma-separated (workers/admission.py); every policy runs under "
@@ -100,8 +101,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]
-    if not baselines or any(_static_len(b) is None and b not in STATIC_CHOICES for b in baselines):
-        p.error(f"--static: names of {', '.join(STATIC_CHOICES)} or static-K (K drafted tokens), got {args.static!r}")
+    if not baselines or any(_static_len(b) is None and b not in BASELINES for b in baselines):
+        p.error(f"--static: names of {', '.join(BASELINES)} or static-K (K drafted tokens), got {args.static!r}")
+    if args.sla_ms is not None and not args.sla_ms > 0:
+        p.error(f"--sla-ms must be positive, got {args.sla_ms}")
 
     import torch
 
@@ -119,14 +122,13 @@ def main(argv=None) -> int:
     pf.cost = profile_engine(engine)
     K = engine.block
     t1 = args.sla_ms if args.sla_ms is not None else float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    if not t1 > 0:
-        p.error(f"--sla-ms must be positive, got {args.sla_ms}")
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     variants = dict(parse_variant(v) for v in args.variant)
 
     def make(name):
-        if _static_len(name) is not None:
-            return build_policy("static", pf, draft_len=_static_len(name))
+        k = _static_len(name)
+        if k is not None:
+            return build_policy("static", pf, draft_len=k)
         if name in variants:
             return build_policy("adaptive", pf, steps_grid=grid, **variants[name])
         return make_policy(name, pf, steps_grid=grid, width=K)

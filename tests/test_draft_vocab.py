@@ -69,7 +69,7 @@ def test_draft_logits_are_minus_inf_outside_the_draft_vocabulary(small_pair):
 def test_q_over_the_draft_vocabulary_spreads_to_zeros_elsewhere():
     """Drafting keeps q over the draft vocabulary only ([..., Vd]); verification spreads the rows
     it reads over the whole vocabulary, zero outside the draft ids."""
-    from workers.drafting import expand_to_vocab
+    from workers.drafter import expand_to_vocab
 
     q = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]])           # [2, Vd = 3]
     full = expand_to_vocab(q, torch.tensor([1, 4, 6]), 8)             # [2, 8]

@@ -286,11 +286,7 @@ class BlockDiffusionDrafter(Fusable):
         """hidden [B, Q, H] -> [B, Q, V] over the whole target vocabulary. With a reduced draft
         vocabulary the ids outside it get −inf, so q is exactly zero there: verification against
         the target's full distribution stays exact (q is the distribution actually drafted from)."""
-        small = self.draft_logits(hidden)
-        if self.draft_ids is None:
-            return small
-        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_ids, small)
+        return expand_to_vocab(self.draft_logits(hidden), self.draft_ids, self.config.vocab_size, float("-inf"))
 
     # -- the network ------------------------------------------------------------------
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
@@ -386,7 +382,7 @@ class BlockDiffusionDrafter(Fusable):
         Returns tokens [B, K] int64 and q [B, K, V] float32, the distribution each token was
         drawn from (`workers.sampling.probabilities`: softmax(logits / T); plain softmax at T = 0).
         """
-        from workers.drafting import denoise, expand_to_vocab
+        from workers.drafting import denoise
 
         K = block_size or self.config.block_size
         B, dev = anchor.shape[0], anchor.device
@@ -419,6 +415,15 @@ class BlockDiffusionDrafter(Fusable):
                  for k, v in self.state_dict().items()}  # integer buffers (draft_ids) keep their type
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "model_type": MODEL_TYPE})
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+
+
+def expand_to_vocab(x: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int,
+                    fill: float = 0.0) -> torch.Tensor:
+    """x [..., Vd] over the draft vocabulary -> [..., vocab] over the target's, `fill` outside
+    `vocab_ids` [Vd] (0 for a distribution q, −inf for logits); `x` itself when `vocab_ids` is None."""
+    if vocab_ids is None:
+        return x
+    return x.new_full((*x.shape[:-1], vocab), fill).index_copy_(-1, vocab_ids, x)
 
 
 def _rows_of(lm_head: nn.Module, ids: torch.Tensor) -> nn.Linear:

@@ -96,14 +96,6 @@ def denoise(one_pass: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], anch
     return tokens[:, 1:], q_rec
 
 
-def expand_to_vocab(q: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """q [..., Vd] over the draft vocabulary -> [..., vocab] over the target's, zero outside
-    `vocab_ids` [Vd] (`q` itself when `vocab_ids` is None)."""
-    if vocab_ids is None:
-        return q
-    return q.new_zeros((*q.shape[:-1], vocab)).index_copy_(-1, vocab_ids, q)
-
-
 def draw_uniforms(generators: list, steps: list[int], block: int, device) -> torch.Tensor | None:
     """[B, max(s), K] denoising uniforms, row r's first s_r passes drawn from its own generator
     (None = greedy, zeros); None when no row samples."""
@@ -265,7 +257,7 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
     tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
     conf = torch.zeros(B, K, device=dev)
     ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
-    q_full = None
+    q_all = None
     if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
         tok_s, conf_s = suffix_drafts(batch.requests, batch.steps_host, K)
         tokens, conf = tok_s.to(dev), conf_s.to(dev)
@@ -278,10 +270,10 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
         else:  # nobody reads them: zeros, as for rows that do not draft
             c = e = mg = torch.zeros(len(rows), K, device=dev)
         if len(rows) == B:
-            tokens, conf, ent, margin, q_full = tok_d, c, e, mg, q_d
+            tokens, conf, ent, margin, q_all = tok_d, c, e, mg, q_d
         else:
             sel = torch.tensor(rows, device=dev)
             tokens[sel], conf[sel], ent[sel], margin[sel] = tok_d, c, e, mg
-            q_full = torch.zeros(B, K, q_d.shape[-1], device=dev)
-            q_full[sel] = q_d
-    return StepDrafts(tokens, q_full, conf, ent, margin, None if context is None else context.vocab_ids)
+            q_all = torch.zeros(B, K, q_d.shape[-1], device=dev)
+            q_all[sel] = q_d
+    return StepDrafts(tokens, q_all, conf, ent, margin, None if context is None else context.vocab_ids)

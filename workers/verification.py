@@ -22,7 +22,7 @@ from kernels import draw_noise, verify
 from kernels.reference import race
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 from kernels.verify import VerifyOutput
-from workers.drafting import expand_to_vocab
+from workers.drafter import expand_to_vocab
 from workers.sampling import argmax, probabilities
 from workers.step_batch import StepBatch
 
