@@ -22,7 +22,7 @@ def report(tmp_path_factory):
     out = tmp / "out"
     code = main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
                  "--batch-sizes", "1,2", "--max-tokens", "8", "--prompt-len", "24", "--rounds", "1",
-                 "--threads", "1", "--rows", "adapt,adapt-policy,adapt-ar,adapt-target,hf,hf-lookup,vllm-ngram",
+                 "--threads", "1", "--rows", "adapt,adapt-policy,adapt-ar,adapt-target,adapt-k2,hf,hf-lookup,vllm-ngram",
                  "--vllm-python", str(tmp / "no-such-python"), "--compile", "off", "--out", str(out)])
     assert code == 0
     return out, json.loads((out / "speed.json").read_text())
@@ -33,7 +33,8 @@ def test_every_row_and_batch_is_reported(report):
     assert rep["config"]["batch_sizes"] == [1, 2]
     assert rep["config"]["num_prompts"] == 2 and rep["config"]["prompt_tokens"] == [24, 24]
     got = {(e["row"], e["batch"]) for e in rep["results"]}
-    assert got == {(r, b) for r in ("adapt", "adapt-policy", "adapt-ar", "adapt-target", "hf", "hf-lookup", "vllm-ngram")
+    assert got == {(r, b) for r in ("adapt", "adapt-policy", "adapt-ar", "adapt-target", "adapt-k2", "hf", "hf-lookup",
+                                    "vllm-ngram")
                    for b in (1, 2)}
     for e in rep["results"]:
         if "skipped" in e:
@@ -58,7 +59,7 @@ def test_adapt_rows_compile_by_default_and_report_their_warm_up(report, tmp_path
     assert parser.parse_args(["speed"]).compile == "auto"
     _, rep = report
     assert rep["config"]["compile"] == "off"
-    assert all(w["steps"] == 0 for w in rep["config"]["warm_up"].values()), rep["config"]["warm_up"]
+    assert all(w.get("steps", 0) == 0 for w in rep["config"]["warm_up"].values()), rep["config"]["warm_up"]
     target, drafter = make_tiny_pair(tmp_path)
     out = tmp_path / "out"
     assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
@@ -80,7 +81,7 @@ def test_missing_vllm_and_batched_lookup_are_skipped_with_reasons(report):
 def test_greedy_rows_agree_with_transformers_in_fp32(report):
     _, rep = report
     for e in rep["results"]:
-        if e["row"] in ("adapt", "adapt-policy", "adapt-ar", "adapt-target", "hf-lookup") and "skipped" not in e:
+        if e["row"] in ("adapt", "adapt-policy", "adapt-ar", "adapt-target", "adapt-k2", "hf-lookup") and "skipped" not in e:
             assert e["agree_with_hf"] == 1.0, e
         if e["row"] in ("adapt-ar", "adapt-target"):
             assert e["tau"] == 1.0
@@ -96,7 +97,7 @@ def test_our_step_is_profiled_by_phase(report):
             assert sum(e["phases_ms"].values()) == pytest.approx(e["step_ms"], rel=1e-3, abs=1e-3)
             assert e["phases_ms"]["verify_forward"] > 0
             if e["row"] != "adapt-policy":  # the adaptive policy may or may not draft here
-                assert (e["phases_ms"]["draft"] > 0) == (e["row"] == "adapt")
+                assert (e["phases_ms"]["draft"] > 0) == (e["row"] in ("adapt", "adapt-k2"))
             assert (e["phases_ms"]["cache_commit"] > 0) == (e["row"] != "adapt-target")  # drafter context
 
 
@@ -127,3 +128,31 @@ def test_adapt_rows_report_the_mean_request_latency(report):
 def test_bad_rows_are_named():
     with pytest.raises(SystemExit, match="--rows"):
         main(["bench", "speed", "--rows", "adapt,sglang"])
+    for bad in ("adapt-k0", "adapt-k2-s0", "adapt-kx"):
+        with pytest.raises(SystemExit, match="--rows"):
+            main(["bench", "speed", "--rows", bad])
+
+
+def test_static_rows_share_the_engine_and_are_compared_with_the_policy(report):
+    """`adapt-kN[-sS]` rows draft N tokens with S steps for every request; rows with the same
+    drafter share one loaded engine (the warm-up names the row that loaded it); the report gives
+    each static row over autoregressive and the adaptive policy over the fastest static row."""
+    from adapt.bench.speed import static_row
+
+    assert static_row("adapt-k4") == (4, 1) and static_row("adapt-k16-s2") == (16, 2) and static_row("adapt") is None
+    out, rep = report
+    warm = rep["config"]["warm_up"]
+    assert warm["adapt-policy"] == {"engine_of": "adapt"} and warm["adapt-k2"] == {"engine_of": "adapt"}
+    assert "engine_of" not in warm["adapt"] and "engine_of" not in warm["adapt-target"]
+    by = {(e["row"], e["batch"]): e for e in rep["results"]}
+    assert by[("adapt-k2", 1)]["label"] == "adapt, static K=2 s=1"
+    assert by[("adapt-k2", 1)]["tau"] <= 3.0  # at most 2 drafts + 1 per pass
+    assert set(rep["ratios"]["adapt-k2/adapt-ar"]) == {"1", "2"}
+    best = rep["ratios"]["adapt-policy/best-static"]
+    for b in ("1", "2"):
+        name = best[b]["best_static"]
+        assert name in ("adapt", "adapt-ar", "adapt-target", "adapt-k2")
+        rate = {r: by[(r, int(b))]["tokens_per_s"] for r in ("adapt", "adapt-ar", "adapt-target", "adapt-k2")}
+        assert rate[name] == max(rate.values())
+        assert best[b]["ratio"] == pytest.approx(by[("adapt-policy", int(b))]["tokens_per_s"] / rate[name], abs=1e-3)
+    assert "fastest static row" in (out / "speed.md").read_text()

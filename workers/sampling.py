@@ -40,10 +40,30 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.softmax(x, dim=-1)
 
 
+ARGMAX_CHUNK = 1024  # columns per chunk of `argmax`'s two-level search on CPU
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` (the first maximum). On CPU through `x.max(-1)`, which returns the same
-    index and is ~2.5x faster for vocabulary-sized rows (98 vs 36 µs for [16, 4096], one thread)."""
-    return x.max(-1).indices if x.device.type == "cpu" else x.argmax(-1)
+    """`x.argmax(-1)` (the index of the first maximum), for x [..., V] with no NaN.
+
+    On CPU, torch's index-returning reductions run scalar: `x.max(-1).indices` costs ~10 ms for
+    [136, 49152] (eight rows verifying 16 drafts of SmolLM2), `x.amax(-1)` ~1 ms. So a row of
+    vocabulary size is searched in two levels: the vectorised maximum of each chunk of
+    ARGMAX_CHUNK columns, the first chunk that holds the row's maximum, then the first maximum
+    inside that chunk. Same index as `x.argmax(-1)`, ties included. Narrow rows (V below four
+    chunks, or not a multiple of one) take `x.max(-1)`, ~2.5x faster than `argmax` on CPU."""
+    if x.device.type != "cpu":
+        return x.argmax(-1)
+    V, L = x.shape[-1], ARGMAX_CHUNK
+    if V < 4 * L or V % L:
+        return x.max(-1).indices
+    lead = x.shape[:-1]
+    chunks = x.reshape(-1, V // L, L)                     # [N, C, L]
+    chunk_max = chunks.amax(-1)                           # [N, C]
+    top = chunk_max.amax(-1, keepdim=True)                # [N, 1]
+    c = (chunk_max == top).to(torch.uint8).max(-1).indices  # [N] first chunk holding the maximum
+    inside = chunks[torch.arange(chunks.shape[0], device=x.device), c]  # [N, L]
+    return (c * L + inside.max(-1).indices).view(lead)
 
 
 def race_sample(probs: torch.Tensor, exp_noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

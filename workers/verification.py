@@ -125,16 +125,19 @@ class Verifier:
         """`kernels.verify` for a batch whose rows all verify with GREEDY (T = 0), on the padded
         [B, Tq] layout (no ragged flattening, rule groups or noise): a row accepts its drafts
         while each equals the argmax of p at its position and emits the argmax at the first
-        mismatch (or the bonus position). logits [B, Tq, V], or [B + N, V] at the `packed`
+        mismatch (or the bonus position). The argmax of p is taken on the logits, as transformers'
+        greedy search does: softmax is monotone, so it is the same token unless the two largest
+        logits are within 2^-24 of each other relative to 1 and exp rounds them together (then
+        the logits' first maximum wins, where p's would be the lower index). Skipping the softmax
+        saves a pass over [B * Tq, V]. logits [B, Tq, V], or [B + N, V] at the `packed`
         positions [B + N] of [B, Tq] (then `Tq` is given); drafts [B, K]; k [B] int64."""
         if packed is None:
             B, Tq, V = logits.shape
-            p = torch.softmax(logits.reshape(B * Tq, V), -1)  # [B * Tq, V]: `probabilities` at T = 0, bit for bit
-            y = argmax(p).view(B, Tq)                                             # argmax p per position
+            y = argmax(logits.reshape(B * Tq, V)).view(B, Tq)                      # argmax p per position
         else:
             B = k.shape[0]
             y = torch.full((B * Tq,), -1, dtype=torch.int64, device=logits.device)
-            y[packed] = argmax(torch.softmax(logits, -1)).to(torch.int64)         # [B + N] argmax p per position
+            y[packed] = argmax(logits).to(torch.int64)                            # [B + N] argmax p per position
             y = y.view(B, Tq)                                                     # -1 where a row verifies nothing
         kmax = Tq - 1
         j = torch.arange(Tq, device=logits.device)
@@ -171,7 +174,7 @@ class Verifier:
         Returns host rows as `commit`'s with no counters: [token, 0, 1, 0.0, *feats]."""
         B, V = logits.shape
         if all(r.generator is None for r in requests):  # all greedy (T = 0): no noise to draw
-            tok = argmax(torch.softmax(logits, -1))  # `probabilities` at T = 0, bit for bit
+            tok = argmax(logits)  # argmax p = argmax of the logits (see `greedy`)
         else:
             p = probabilities(logits, temperature, top_k, top_p)  # [B, V]
             tok = torch.where(temperature <= 0, argmax(p), race(p, next_token_noise(requests, V, self.device))[0])

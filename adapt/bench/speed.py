@@ -21,6 +21,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |
+| `adapt-kN`, `adapt-kN-sS` | our `Engine`, static diffusion drafts of N tokens with S denoising steps (default 1) for every request |
 | `hf` | transformers `generate`, greedy |
 | `hf-lookup` | transformers prompt-lookup decoding (`prompt_lookup_num_tokens=8`) |
 | `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -66,6 +68,8 @@ ROWS = {
     "vllm": "vLLM CPU",
     "vllm-ngram": "vLLM CPU + ngram",
 }
+# our rows whose decisions are fixed for every request and pass (with `adapt-kN` rows)
+STATIC_ROWS = ("adapt", "adapt-ar", "adapt-target", "adapt-suffix", "adapt-ar-eager")
 # (ours, theirs): the comparisons the speed targets are about
 RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
           ("adapt-policy", "vllm-ngram"), ("adapt", "vllm"),
@@ -103,11 +107,25 @@ def add_parser(subparsers) -> None:
 
 
 # -- inputs -------------------------------------------------------------------------------------
+STATIC_ROW = re.compile(r"adapt-k([1-9][0-9]*)(?:-s([1-9][0-9]*))?")
+
+
+def static_row(name: str) -> tuple[int, int] | None:
+    """(draft length, steps) of an `adapt-kN` / `adapt-kN-sS` row name, else None."""
+    m = STATIC_ROW.fullmatch(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2) or 1))
+
+
+def row_label(name: str) -> str:
+    k_s = static_row(name)
+    return ROWS[name] if k_s is None else f"adapt, static K={k_s[0]} s={k_s[1]}"
+
+
 def parse_rows(text: str) -> list[str]:
     rows = [r.strip() for r in text.split(",") if r.strip()]
-    bad = [r for r in rows if r not in ROWS]
+    bad = [r for r in rows if r not in ROWS and static_row(r) is None]
     if bad or not rows:
-        raise SystemExit(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
+        raise SystemExit(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}, adapt-kN, adapt-kN-sS")
     return list(dict.fromkeys(rows))
 
 
@@ -193,7 +211,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
     runners, skipped = {}, {}
     target = args.target.resolve()
     drafter = None if args.drafter is None else args.drafter.resolve()
-    for row in ("adapt", "adapt-policy"):
+    for row in ["adapt", "adapt-policy"] + [r for r in rows if static_row(r)]:
         if row in rows and (drafter is None or not (drafter / "config.json").is_file()):
             skipped[row] = f"no drafter at {drafter}" if drafter is not None else f"the {args.pair} pair has no drafter"
     for row in ("adapt-ar", "adapt-ar-eager"):
@@ -205,12 +223,16 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
         python, reason = find_vllm_python(args.vllm_python)
         if python is None:
             skipped.update(dict.fromkeys(vllm_rows, reason))
+    engines: dict = {}  # our rows with the same drafter share one loaded engine
     for row in rows:
         if row in skipped:
             continue
-        label = ROWS[row]
-        engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile)
-        if row == "adapt":
+        label = row_label(row)
+        engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile, engines=engines)
+        if static_row(row):
+            k, s = static_row(row)
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k, steps=s)
+        elif row == "adapt":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine)
         elif row == "adapt-policy":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive")
@@ -359,8 +381,8 @@ def run(args) -> int:
 
     profiles = {}
     if not args.no_profile:
-        for name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target"):
-            if name in runners:
+        for name in runners:
+            if name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target") or static_row(name):
                 for b in batch_sizes:
                     profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True).extra
     report = write_report(context, samples, profiles, rounds, final=True)
@@ -384,7 +406,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
     for b in batch_sizes:
         ref = samples.get(("hf", b))
         for name in ctx["rows"]:
-            entry = {"row": name, "label": ROWS[name], "batch": b}
+            entry = {"row": name, "label": row_label(name), "batch": b}
             if name in skipped or (name, b) in pair_skips:
                 entry["skipped"] = skipped.get(name) or pair_skips[(name, b)]
             elif (name, b) in samples:
@@ -440,6 +462,21 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
                 per_batch[str(b)] = round(a / t, 3)
         if per_batch:
             out[f"{ours}/{theirs}"] = per_batch
+    pairs = [(r, "adapt-ar") for r in dict.fromkeys(e["row"] for e in results) if static_row(r)]
+    for ours, theirs in pairs:
+        per_batch = {str(b): round(rate[(ours, b)] / rate[(theirs, b)], 3) for b in batch_sizes
+                     if rate.get((ours, b)) and rate.get((theirs, b))}
+        if per_batch:
+            out[f"{ours}/{theirs}"] = per_batch
+    # the honest reference: the fastest static configuration measured, autoregressive included
+    best = {}
+    for b in batch_sizes:
+        static = {r: v for (r, bb), v in rate.items() if bb == b and v and (r in STATIC_ROWS or static_row(r))}
+        if static and rate.get(("adapt-policy", b)):
+            name = max(static, key=static.get)
+            best[str(b)] = {"best_static": name, "ratio": round(rate[("adapt-policy", b)] / static[name], 3)}
+    if best:
+        out["adapt-policy/best-static"] = best
     return out
 
 
@@ -450,19 +487,24 @@ def markdown(report: dict) -> str:
              f"{', at most %d groups per batch size' % cfg['max_groups'] if cfg.get('max_groups') else ''}), "
              f"median of {cfg['rounds']} round(s){'' if report.get('complete', True) else ' (run incomplete)'}; load average {report['machine']['load_avg_start']} -> "
              f"{report['machine']['load_avg_end']}.", "",
-             "| row | batch | tokens/s | ms/token | τ | vs vLLM | vs vLLM+ngram | agrees with HF |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| row | batch | tokens/s | ms/token | τ | vs adapt AR | vs vLLM | vs vLLM+ngram | agrees with HF |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in report["results"]}
     for e in report["results"]:
         if "skipped" in e:
-            lines.append(f"| {e['label']} | {e['batch']} | skipped: {e['skipped'][:80]} | | | | | |")
+            lines.append(f"| {e['label']} | {e['batch']} | skipped: {e['skipped'][:80]} | | | | | | |")
             continue
         v, vn = rate.get(("vllm", e["batch"])), rate.get(("vllm-ngram", e["batch"]))
+        ar = rate.get(("adapt-ar", e["batch"]))
         tps = e["tokens_per_s"]
         lines.append(
             f"| {e['label']} | {e['batch']} | {tps:,.0f} | {e['ms_per_token']:.2f} | {e['tau'] if e['tau'] is not None else '–'}"
-            f" | {f'{tps / v:.2f}x' if v else '–'} | {f'{tps / vn:.2f}x' if vn else '–'}"
+            f" | {f'{tps / ar:.2f}x' if ar else '–'} | {f'{tps / v:.2f}x' if v else '–'} | {f'{tps / vn:.2f}x' if vn else '–'}"
             f" | {e.get('agree_with_hf', '–') if e['row'] != 'hf' else 'ref'} |")
+    best = report.get("ratios", {}).get("adapt-policy/best-static", {})
+    if best:
+        lines += ["", "Adaptive policy against the fastest static row at each batch size (autoregressive included): "
+                  + ", ".join(f"batch {b}: {v['ratio']:.2f}x `{v['best_static']}`" for b, v in best.items())]
     lat = [e for e in report["results"] if e.get("request_s_mean") is not None]
     if lat:
         lines += ["", "Mean request latency, our engine's rows (a group's start to the request's last token; "
@@ -503,7 +545,7 @@ def plot(report: dict, path: Path) -> None:
                 xs.append(j + (i - (len(rows) - 1) / 2) * width)
                 ys.append(e["tokens_per_s"])
                 taus.append(e["tau"])
-        bars = ax.bar(xs, ys, width, label=ROWS[row], color=colors(i), hatch="//" if row.startswith("vllm") else None)
+        bars = ax.bar(xs, ys, width, label=row_label(row), color=colors(i), hatch="//" if row.startswith("vllm") else None)
         for bar, tau in zip(bars, taus):
             ax.annotate(f"τ {tau:.1f}" if tau else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)

@@ -180,12 +180,18 @@ class AdaptRunner:
     The suffix drafter's memory of recent outputs starts empty in every `generate` call, so a
     repeated prompt never copies its own earlier answer. `compile`: the engine's
     setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
-    are kept in `warm_up`)."""
+    are kept in `warm_up`).
+
+    `engines`: a dict shared by the runners of one run. Runners with the same drafter and compile
+    setting then share one loaded `Engine` (knobs are per request; each runner sets its own
+    decision maker before it decodes), so a run with several static rows loads and compiles the
+    target once."""
 
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
                  max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None,
-                 compile: str = "off", source: str = "diffusion"):
+                 compile: str = "off", source: str = "diffusion", steps: int = 1, engines: dict | None = None):
         self.name, self.label, self.policy, self.compile, self.source = name, label, policy, compile, source
+        self.steps, self.engines, self.decisions = steps, engines, None
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.warm_up: dict = {}
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
@@ -193,30 +199,40 @@ class AdaptRunner:
         self._counter = 0
 
     def start(self) -> None:
+        from workers.decisions import StaticDecisions
         from workers.engine import Engine, EngineConfig
 
         drafter = None if self.drafter is None else str(self.drafter)
-        self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter, dtype=self.dtype,
-                                          max_batch=self.max_batch, max_len=self.max_len, compile=self.compile))
-        self.warm_up = self.engine.warm_up()
+        key = (drafter, self.compile)
+        if self.engines is not None and key in self.engines:
+            self.engine, first = self.engines[key]
+            self.warm_up = {"engine_of": first}  # compiled once, by that row
+        else:
+            self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter, dtype=self.dtype,
+                                              max_batch=self.max_batch, max_len=self.max_len, compile=self.compile))
+            self.warm_up = self.engine.warm_up()
+            if self.engines is not None:
+                self.engines[key] = (self.engine, self.name)
+        self.decisions = StaticDecisions()  # the engine's default decision maker
         if self.policy:
             from adapt.controller import build_policy, profile_engine
 
             shipped = None if self.drafter is None else Path(self.drafter).parent / "policy.json"
             policy_file = shipped if shipped is not None and shipped.is_file() else None
-            self.engine.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
+            self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
         from workers.request import DecodeKnobs, SamplingParams
 
         eng = self.engine
+        eng.decisions = self.decisions
         if eng.suffix is not None:  # no memory of earlier runs' outputs
             eng.suffix.forget_outputs()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if self.source == "suffix":
             knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")
         else:
-            knobs = None if self.draft_len is None else DecodeKnobs(steps=1, draft_len=self.draft_len)
+            knobs = None if self.draft_len is None else DecodeKnobs(steps=self.steps, draft_len=self.draft_len)
         outputs: list[list[int]] = []
         passes, seconds = 0, 0.0
         latencies: list[float] = []  # per request: its group's start to its last token
