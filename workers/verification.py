@@ -128,7 +128,7 @@ class Verifier:
         mismatch (or the bonus position). The argmax of p is taken on the logits, as transformers'
         greedy search does: softmax is monotone, so it is the same token unless the two largest
         logits are within 2^-24 of each other relative to 1 and exp rounds them together (then
-        the logits' first maximum wins, where p's would be the lower index). Skipping the softmax
+        this takes the larger logit where argmax p takes the lower index). Skipping the softmax
         saves a pass over [B * Tq, V]. logits [B, Tq, V], or [B + N, V] at the `packed`
         positions [B + N] of [B, Tq] (then `Tq` is given); drafts [B, K]; k [B] int64."""
         if packed is None:
