@@ -231,9 +231,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             continue
         label = row_label(row)
         engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile, engines=engines)
-        if static_row(row):
-            k, s = static_row(row)
-            runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k, steps=s)
+        if k_s := static_row(row):
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k_s[0], steps=k_s[1])
         elif row == "adapt":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine)
         elif row == "adapt-policy":
@@ -456,18 +455,14 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
     """{"adapt/vllm-ngram": {"1": 1.07, "8": 0.9}, ...}: tokens/s of ours over theirs."""
     rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in results}
     out = {}
-    for ours, theirs in RATIOS:
+    # the fixed comparisons, then every `adapt-kN` row over autoregressive decoding
+    pairs = list(RATIOS) + [(r, "adapt-ar") for r in dict.fromkeys(e["row"] for e in results) if static_row(r)]
+    for ours, theirs in pairs:
         per_batch = {}
         for b in batch_sizes:
             a, t = rate.get((ours, b)), rate.get((theirs, b))
             if a and t:
                 per_batch[str(b)] = round(a / t, 3)
-        if per_batch:
-            out[f"{ours}/{theirs}"] = per_batch
-    pairs = [(r, "adapt-ar") for r in dict.fromkeys(e["row"] for e in results) if static_row(r)]
-    for ours, theirs in pairs:
-        per_batch = {str(b): round(rate[(ours, b)] / rate[(theirs, b)], 3) for b in batch_sizes
-                     if rate.get((ours, b)) and rate.get((theirs, b))}
         if per_batch:
             out[f"{ours}/{theirs}"] = per_batch
     # the honest reference: the fastest static configuration measured, autoregressive included
