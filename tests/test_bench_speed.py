@@ -155,3 +155,51 @@ def test_static_rows_share_the_engine_and_are_compared_with_the_policy(report):
         assert rate[name] == max(rate.values())
         assert best[b]["ratio"] == pytest.approx(by[("adapt-policy", int(b))]["tokens_per_s"] / rate[name], abs=1e-3)
     assert "fastest static row" in (out / "speed.md").read_text()
+
+
+def test_interleaved_refill_rows_take_turns_and_agree(tmp_path):
+    """`--interleave`: our rows take turns step by step, each with its own engine and clock;
+    `--refill`: requests are kept in flight per batch size instead of static groups (rows that
+    cannot, transformers here, are skipped with the reason). Greedy rows still emit the same
+    tokens, and the report pairs each row with autoregressive decoding round by round."""
+    from adapt.bench.interleave import StepClock
+    from adapt.bench.speed_runners import AdaptRunner, drive
+
+    target, drafter = make_tiny_pair(tmp_path)
+    out = tmp_path / "out"
+    assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
+                 "--batch-sizes", "2", "--num-prompts", "5", "--max-tokens", "6", "--prompt-len", "16",
+                 "--rounds", "2", "--threads", "1", "--rows", "adapt-ar,adapt-policy,adapt-k2,hf",
+                 "--interleave", "--refill", "--no-profile", "--out", str(out)]) == 0
+    rep = json.loads((out / "speed.json").read_text())
+    assert rep["config"]["interleave"] and rep["config"]["refill"]
+    assert "engine_of" not in json.dumps(rep["config"]["warm_up"])  # every row its own engine
+    by = {e["row"]: e for e in rep["results"]}
+    assert "--refill" in by["hf"]["skipped"]
+    for row in ("adapt-ar", "adapt-policy", "adapt-k2"):
+        assert by[row]["tokens"] == 5 * 6 and len(by[row]["tokens_per_s_samples"]) == 2
+    paired = rep["ratios"]["paired"]
+    assert set(paired) == {"adapt-policy/adapt-ar", "adapt-k2/adapt-ar"}
+    assert len(paired["adapt-k2/adapt-ar"]["2"]["rounds"]) == 2
+    assert "step by step" in (out / "speed.md").read_text()
+
+    # refill keeps exactly `batch` requests in flight; turns split the time between the sessions
+    runners = [AdaptRunner(n, n, target, drafter, "float32", 2, 64, draft_len=k) for n, k in (("a", 0), ("b", 2))]
+    for r in runners:
+        r.start()
+    seen = []
+    original = runners[0].engine.step
+
+    def step():
+        seen.append(len(runners[0].engine.running) + len(runners[0].engine.waiting))
+        return original()
+
+    runners[0].engine.step = step
+    prompts = [[1 + i, 2, 3, 4] for i in range(5)]
+    clocks = {r.name: StepClock() for r in runners}
+    runs = drive({r.name: r.session(prompts, 2, 4, clock=clocks[r.name], refill=True) for r in runners})
+    assert max(seen) == 2 and seen.count(2) >= 3
+    assert runs["a"].outputs == runs["b"].outputs  # greedy: drafts never change the tokens
+    for r in runners:
+        assert 0 < runs[r.name].seconds <= clocks[r.name]() < runs[r.name].seconds + 1e-3
+        assert r.engine.clock is not clocks[r.name]  # the engine's own clock is back

@@ -102,6 +102,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
                    help="compiled decode steps for the adapt rows (default off: eager, as `adapt serve` and "
                         "`adapt generate` run by default; on / auto compile SmolLM2's steps for ~7-14 minutes first)")
+    p.add_argument("--interleave", action="store_true",
+                   help="our engine rows take turns step by step, each timed by its own clock, instead of one "
+                        "after another (each row then loads its own engine); this machine's drift then falls on "
+                        "all of them alike (adapt/bench/interleave.py)")
+    p.add_argument("--refill", action="store_true",
+                   help="keep `batch` requests in flight, a finished one replaced by the next prompt (closed-loop "
+                        "clients, as a server sees them), instead of static groups; our engine rows only "
+                        "(give --num-prompts above the batch size)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
     p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
     p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")
@@ -230,7 +238,9 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
         if row in skipped:
             continue
         label = row_label(row)
-        engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile, engines=engines)
+        # --interleave: every row its own engine (the rows step in turns)
+        engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile,
+                      engines=None if getattr(args, "interleave", False) else engines)
         if k_s := static_row(row):
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k_s[0], steps=k_s[1])
         elif row == "adapt":
@@ -282,7 +292,8 @@ def summarize(samples: list, reference: list[list[int]] | None, max_tokens: int)
 def run(args) -> int:
     import torch
 
-    from adapt.bench.speed_runners import VLLMRunner
+    from adapt.bench.interleave import StepClock
+    from adapt.bench.speed_runners import AdaptRunner, VLLMRunner, drive
 
     from workers.target_model import resolve_dtype
 
@@ -342,6 +353,8 @@ def run(args) -> int:
     for name, r in runners.items():
         for b in batch_sizes:
             reason = getattr(r, "unsupported", lambda b: None)(b)
+            if args.refill and not isinstance(r, AdaptRunner):
+                reason = "--refill: only our engine rows keep requests in flight"
             if reason:
                 pair_skips[(name, b)] = reason
                 print(f"[speed] skipping {name} at batch {b}: {reason}", flush=True)
@@ -370,10 +383,19 @@ def run(args) -> int:
     for rnd in range(rounds):
         for b in batch_sizes:
             rotated = order[rnd % len(order):] + order[: rnd % len(order)] if order else []
-            for name in rotated:
-                if (name, b) in pair_skips:
-                    continue
-                result = runners[name].generate(prompts_at(b), b, max_tokens)
+            names = [n for n in rotated if (n, b) not in pair_skips]
+            together = [n for n in names if args.interleave and isinstance(runners[n], AdaptRunner)]
+            results = {}
+            if together:  # side by side, step by step, each on its own clock
+                results = drive({n: runners[n].session(prompts_at(b), b, max_tokens, clock=StepClock(),
+                                                       refill=args.refill) for n in together})
+            for name in names:
+                if name in together:
+                    result = results[name]
+                elif isinstance(runners[name], AdaptRunner):
+                    result = runners[name].generate(prompts_at(b), b, max_tokens, refill=args.refill)
+                else:
+                    result = runners[name].generate(prompts_at(b), b, max_tokens)
                 samples.setdefault((name, b), []).append(result)
                 print(f"[speed] round {rnd + 1}/{rounds} batch {b} {name:<11} "
                       f"{result.tokens / result.seconds:8.1f} tok/s  tau {result.tau or 0:.2f}", flush=True)
@@ -385,7 +407,8 @@ def run(args) -> int:
         for name in runners:
             if name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target") or static_row(name):
                 for b in batch_sizes:
-                    profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True).extra
+                    profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True,
+                                                                 refill=args.refill).extra
     report = write_report(context, samples, profiles, rounds, final=True)
     for r in runners.values():
         r.close()
@@ -431,7 +454,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
                         else "held-out stdlib"),
             "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
             "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_speculative_config": VLLM_NGRAM,
-            "compile": args.compile,
+            "compile": args.compile, "interleave": args.interleave, "refill": args.refill,
             # seconds each compiled adapt row spent compiling its decode steps at start (not timed)
             "warm_up": {name: r.warm_up for name, r in runners.items() if getattr(r, "warm_up", None)},
         },
@@ -474,6 +497,26 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
             best[str(b)] = {"best_static": name, "ratio": round(rate[("adapt-policy", b)] / static[name], 3)}
     if best:
         out["adapt-policy/best-static"] = best
+    paired = paired_ratios(results, batch_sizes)
+    if paired:
+        out["paired"] = paired
+    return out
+
+
+def paired_ratios(results: list[dict], batch_sizes: list[int]) -> dict:
+    """{"adapt-policy/adapt-ar": {"8": {"median": 1.01, "rounds": [...]}}, ...}: each of our rows over
+    autoregressive decoding round by round (the two runs of a round met the same machine; with
+    `--interleave` step by step), and the median of those ratios. Only rows with a sample in
+    every round."""
+    samples = {(e["row"], e["batch"]): e.get("tokens_per_s_samples") for e in results}
+    out: dict = {}
+    for (row, b), mine in samples.items():
+        ar = samples.get(("adapt-ar", b))
+        if row == "adapt-ar" or not row.startswith("adapt") or not mine or not ar or len(mine) != len(ar):
+            continue
+        per_round = [round(x / y, 3) for x, y in zip(mine, ar) if y]
+        out.setdefault(f"{row}/adapt-ar", {})[str(b)] = {"median": round(statistics.median(per_round), 3),
+                                                         "rounds": per_round}
     return out
 
 
@@ -483,7 +526,10 @@ def markdown(report: dict) -> str:
              f"{cfg['max_tokens']} new tokens x {cfg['num_prompts']} prompts ({cfg['prompts']}"
              f"{', at most %d groups per batch size' % cfg['max_groups'] if cfg.get('max_groups') else ''}), "
              f"median of {cfg['rounds']} round(s){'' if report.get('complete', True) else ' (run incomplete)'}; load average {report['machine']['load_avg_start']} -> "
-             f"{report['machine']['load_avg_end']}.", "",
+             f"{report['machine']['load_avg_end']}."
+             + (" Our rows interleaved step by step, each on its own clock." if cfg.get("interleave") else "")
+             + (f" Requests kept in flight per batch size (`--refill`), not static groups." if cfg.get("refill") else ""),
+             "",
              "| row | batch | tokens/s | ms/token | τ | vs adapt AR | vs vLLM | vs vLLM+ngram | agrees with HF |",
              "|---|---|---|---|---|---|---|---|---|"]
     rate = {(e["row"], e["batch"]): e.get("tokens_per_s") for e in report["results"]}
@@ -502,6 +548,17 @@ def markdown(report: dict) -> str:
     if best:
         lines += ["", "Adaptive policy against the fastest static row at each batch size (autoregressive included): "
                   + ", ".join(f"batch {b}: {v['ratio']:.2f}x `{v['best_static']}`" for b, v in best.items())]
+    paired = report.get("ratios", {}).get("paired", {})
+    if paired:
+        how = "step by step (`--interleave`)" if cfg.get("interleave") else "one after another"
+        lines += ["", f"Our rows over autoregressive decoding, round by round (rows of a round ran {how}; "
+                  "median of the per-round ratios, then each round's):", "",
+                  "| row | batch | median | per round |", "|---|---|---|---|"]
+        label = {e["row"]: e["label"] for e in report["results"]}
+        for key, per_batch in paired.items():
+            for b, v in per_batch.items():
+                lines.append(f"| {label.get(key.split('/')[0], key)} | {b} | {v['median']:.3f}x | "
+                             + ", ".join(f"{x:.3f}" for x in v["rounds"]) + " |")
     lat = [e for e in report["results"] if e.get("request_s_mean") is not None]
     if lat:
         lines += ["", "Mean request latency, our engine's rows (a group's start to the request's last token; "

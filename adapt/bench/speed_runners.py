@@ -53,6 +53,20 @@ def groups_of(items: list, batch: int) -> list[list]:
     return [items[i : i + batch] for i in range(0, len(items), batch)]
 
 
+def drive(sessions: dict) -> dict:
+    """Run `AdaptRunner.session` generators to the end, taking turns one engine step each (so that
+    the machine's drift falls on all of them alike: adapt/bench/interleave.py); {name: Run}."""
+    runs, live = {}, dict(sessions)
+    while live:
+        for name, session in list(live.items()):
+            try:
+                next(session)
+            except StopIteration as done:
+                runs[name] = done.value
+                del live[name]
+    return runs
+
+
 # -- our engine ---------------------------------------------------------------------------------
 class PhaseProbe:
     """Times the phases of `Engine` decode steps by wrapping the engine's parts (CPU ops are
@@ -225,44 +239,76 @@ class AdaptRunner:
             policy_file = shipped if shipped is not None and shipped.is_file() else None
             self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
 
-    def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False) -> Run:
+    def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
+                 refill: bool = False) -> Run:
+        return drive({self.name: self.session(prompts, batch, max_tokens, profile, refill=refill)})[self.name]
+
+    def session(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
+                clock=None, refill: bool = False):
+        """`generate` one engine step at a time: a generator that yields after every `Engine.step`
+        and returns the `Run` (`drive` runs several side by side). `clock`: what the run's times
+        are read from (default `time.perf_counter`; a `StepClock` runs only during this session's
+        own steps and is lent to the engine, so its policy sees its own step times).
+        `refill`: keep `batch` requests in flight, each finished one replaced by the next prompt
+        (closed-loop clients, as a server sees them) instead of static groups of `batch`."""
         from workers.request import DecodeKnobs, SamplingParams
 
         eng = self.engine
         eng.decisions = self.decisions
         if eng.suffix is not None:  # no memory of earlier runs' outputs
             eng.suffix.forget_outputs()
+        clock = clock or time.perf_counter
+        turn = getattr(clock, "resume", None) is not None  # a StepClock: runs during our steps only
+        engine_clock, eng.clock = eng.clock, clock
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         if self.source == "suffix":
             knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")
         else:
             knobs = None if self.draft_len is None else DecodeKnobs(steps=self.steps, draft_len=self.draft_len)
         outputs: list[list[int]] = []
-        passes, seconds = 0, 0.0
-        latencies: list[float] = []  # per request: its group's start to its last token
+        passes, seconds, steps = 0, 0.0, 0
+        latencies: list[float] = []  # per request: its group's start (refill: its arrival) to its last token
         probe = PhaseProbe(eng) if profile else None
-        for group in groups_of(prompts, batch):
-            ids = []
-            for prompt in group:
-                self._counter += 1
-                ids.append(f"{self.name}-{self._counter}")
-                eng.add_request(ids[-1], prompt, params, knobs)
-            got: dict[str, list[int]] = {i: [] for i in ids}
-            stats: dict[str, dict] = {}
-            if probe is not None:
-                probe.__enter__()
-            t = time.perf_counter()
-            while eng.has_unfinished():
-                for out in eng.step():
-                    got[out.request_id].extend(out.new_token_ids)
-                    stats[out.request_id] = out.stats
-                    if out.finished:
-                        latencies.append(time.perf_counter() - t)
-            seconds += time.perf_counter() - t
+        groups = [prompts] if refill else groups_of(prompts, batch)
+        try:
+            for group in groups:
+                queue = deque(group)
+                ids, arrived = [], {}
+                got: dict[str, list[int]] = {}
+                stats: dict[str, dict] = {}
+                if turn:
+                    clock.resume()
+                if probe is not None:
+                    probe.__enter__()
+                t = clock()
+                while queue or eng.has_unfinished():
+                    while queue and (not refill or len(eng.running) + len(eng.waiting) < batch):
+                        self._counter += 1
+                        ids.append(f"{self.name}-{self._counter}")
+                        got[ids[-1]], arrived[ids[-1]] = [], clock()
+                        eng.add_request(ids[-1], queue.popleft(), params, knobs)
+                    for out in eng.step():
+                        got[out.request_id].extend(out.new_token_ids)
+                        stats[out.request_id] = out.stats
+                        if out.finished:
+                            latencies.append(clock() - (arrived[out.request_id] if refill else t))
+                    steps += 1
+                    if turn:
+                        clock.pause()
+                    yield
+                    if turn:
+                        clock.resume()
+                seconds += clock() - t
+                if probe is not None:
+                    probe.__exit__(None, None, None)
+                if turn:
+                    clock.pause()
+                outputs.extend(got[i] for i in ids)
+                passes += steps if refill else max(stats[i]["target_passes"] for i in ids)
+        finally:
+            eng.clock = engine_clock
             if probe is not None:
                 probe.__exit__(None, None, None)
-            outputs.extend(got[i] for i in ids)
-            passes += max(stats[i]["target_passes"] for i in ids)
         extra = {}
         if probe is not None:
             extra = probe.report()
