@@ -422,6 +422,16 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     cheap.plain_ms = 1e-6
     cheap.choose_steps(rows)
     assert cheap.holding
+    # the comparison is with one row's share of the step (plain_ms / B): deciding delays all 4
+    # rows, a copy it may catch wins one row's tokens
+    share = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
+    share.decide_ms, share.plain_ms = 1000.0, 40_000.0  # ~900 ms after the EMA: < 5 % of the step, > 5 % of a row's share
+    share.choose_steps(rows)
+    assert share.holding
+    one = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
+    one.decide_ms, one.plain_ms = 1000.0, 40_000.0
+    one.choose_steps(make_rows(1))  # a row's share is the whole step at batch 1
+    assert not one.holding
     # a decision that drafts: no hold, and the next plain decision holds 1 step again
     r = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), hold_max=4)
     sure = dataclasses.replace(rows, recent_accept=torch.full((4,), 0.97))
