@@ -78,13 +78,20 @@ def make_mix(num_requests: int, tight_tpot_ms: float, loose_tpot_ms: float, eps:
         quality = f"tvd={eps:g}" if lenient else "lossless"
         total = budget_total if lenient else None
         tpot = tight_tpot_ms if i % 3 == 0 else loose_tpot_ms
-        length = max_tokens
-        if length_spread:
-            even = (i * 0.6180339887) % 1.0  # frac(i · φ): evenly spread over [0, 1)
-            length = max(2, round(max_tokens * (1.0 - length_spread + 2.0 * length_spread * even)))
+        length = spread_length(max_tokens, length_spread, i)
         out.append(RequestSpec(RequestTargets(tpot_ms=tpot, quality=quality, tvd_budget_total=total),
                                temperature=0.8 if sampled else 0.0, max_tokens=length))
     return out
+
+
+def spread_length(max_tokens: int, length_spread: float, i: int) -> int:
+    """The tokens request ``i`` asks for: ``max_tokens · (1 − s + 2s · frac(i · φ))`` with ``s`` =
+    ``length_spread`` in [0, 1) (φ the golden ratio: evenly spread, mean ``max_tokens``; at least
+    2), ``max_tokens`` when ``s`` = 0."""
+    if not length_spread:
+        return max_tokens
+    even = (i * 0.6180339887) % 1.0  # frac(i · φ): evenly spread over [0, 1)
+    return max(2, round(max_tokens * (1.0 - length_spread + 2.0 * length_spread * even)))
 
 
 class RecordPool:

@@ -170,14 +170,18 @@ def test_interleaved_refill_rows_take_turns_and_agree(tmp_path):
     assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
                  "--batch-sizes", "2", "--num-prompts", "5", "--max-tokens", "6", "--prompt-len", "16",
                  "--rounds", "2", "--threads", "1", "--rows", "adapt-ar,adapt-policy,adapt-k2,hf",
-                 "--interleave", "--refill", "--no-profile", "--out", str(out)]) == 0
+                 "--interleave", "--refill", "--length-spread", "0.5", "--no-profile", "--out", str(out)]) == 0
     rep = json.loads((out / "speed.json").read_text())
-    assert rep["config"]["interleave"] and rep["config"]["refill"]
+    assert rep["config"]["interleave"] and rep["config"]["refill"] and rep["config"]["length_spread"] == 0.5
     assert "engine_of" not in json.dumps(rep["config"]["warm_up"])  # every row its own engine
     by = {e["row"]: e for e in rep["results"]}
-    assert "--refill" in by["hf"]["skipped"]
+    assert "--length-spread" in by["hf"]["skipped"] or "--refill" in by["hf"]["skipped"]
+    from adapt.replay import spread_length
+
+    lengths = [spread_length(6, 0.5, i) for i in range(5)]  # 3..9 tokens, mean 6
+    assert len(set(lengths)) > 2 and min(lengths) >= 3 and max(lengths) <= 9
     for row in ("adapt-ar", "adapt-policy", "adapt-k2"):
-        assert by[row]["tokens"] == 5 * 6 and len(by[row]["tokens_per_s_samples"]) == 2
+        assert by[row]["tokens"] == sum(lengths) and len(by[row]["tokens_per_s_samples"]) == 2
     paired = rep["ratios"]["paired"]
     assert set(paired) == {"adapt-policy/adapt-ar", "adapt-k2/adapt-ar"}
     assert len(paired["adapt-k2/adapt-ar"]["2"]["rounds"]) == 2

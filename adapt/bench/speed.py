@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -120,6 +121,10 @@ def add_parser(subparsers) -> None:
                    help="keep `batch` requests in flight, a finished one replaced by the next prompt (closed-loop "
                         "clients, as a server sees them), instead of static groups; our engine rows only "
                         "(give --num-prompts above the batch size)")
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="prompt i asks for max_tokens * (1 +- spread) tokens, evenly spread, mean --max-tokens "
+                        "(adapt/replay.py: spread_length), instead of --max-tokens each; our engine rows only "
+                        "(default 0: equal lengths, where autoregressive rows finish in lockstep)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
     p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
     p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")
@@ -321,6 +326,8 @@ def run(args) -> int:
     rounds = 1 if args.quick else args.rounds
     if max_tokens < 1 or rounds < 1:
         raise SystemExit("--max-tokens and --rounds must be >= 1")
+    if not 0.0 <= args.length_spread < 1.0:
+        raise SystemExit(f"--length-spread must be in [0, 1), got {args.length_spread}")
     if not (args.target / "config.json").is_file():
         raise SystemExit(f"--target: {args.target} has no config.json")
     threads = args.threads or os.cpu_count() or 1
@@ -341,7 +348,7 @@ def run(args) -> int:
     else:
         prompts = heldout_prompts(tokenizer, count, args.prompt_len)
     max_batch = max(batch_sizes)
-    max_len = max(map(len, prompts)) + max_tokens + 16
+    max_len = max(map(len, prompts)) + math.ceil(max_tokens * (1 + args.length_spread)) + 16
 
     runners, skipped = build_runners(args, rows, dtype, max_batch, max_len, threads)
     for row, reason in skipped.items():
@@ -365,6 +372,8 @@ def run(args) -> int:
             reason = getattr(r, "unsupported", lambda b: None)(b)
             if args.refill and not isinstance(r, AdaptRunner):
                 reason = "--refill: only our engine rows keep requests in flight"
+            if args.length_spread and not isinstance(r, AdaptRunner):
+                reason = "--length-spread: only our engine rows take a length per request"
             if reason:
                 pair_skips[(name, b)] = reason
                 print(f"[speed] skipping {name} at batch {b}: {reason}", flush=True)
@@ -398,12 +407,14 @@ def run(args) -> int:
             results = {}
             if together:  # side by side, step by step, each on its own clock
                 results = drive({n: runners[n].session(prompts_at(b), b, max_tokens, clock=StepClock(),
-                                                       refill=args.refill) for n in together})
+                                                       refill=args.refill, length_spread=args.length_spread)
+                                 for n in together})
             for name in names:
                 if name in together:
                     result = results[name]
                 elif isinstance(runners[name], AdaptRunner):
-                    result = runners[name].generate(prompts_at(b), b, max_tokens, refill=args.refill)
+                    result = runners[name].generate(prompts_at(b), b, max_tokens, refill=args.refill,
+                                                    length_spread=args.length_spread)
                 else:
                     result = runners[name].generate(prompts_at(b), b, max_tokens)
                 samples.setdefault((name, b), []).append(result)
@@ -418,7 +429,8 @@ def run(args) -> int:
             if name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target") or static_row(name):
                 for b in batch_sizes:
                     profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True,
-                                                                 refill=args.refill).extra
+                                                                 refill=args.refill,
+                                                                 length_spread=args.length_spread).extra
     report = write_report(context, samples, profiles, rounds, final=True)
     for r in runners.values():
         r.close()
@@ -465,6 +477,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
             "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_speculative_config": VLLM_NGRAM,
             "compile": args.compile, "interleave": args.interleave, "refill": args.refill,
+            "length_spread": args.length_spread,
             # seconds each compiled adapt row spent compiling its decode steps at start (not timed)
             "warm_up": {name: r.warm_up for name, r in runners.items() if getattr(r, "warm_up", None)},
         },
@@ -538,7 +551,8 @@ def markdown(report: dict) -> str:
              f"median of {cfg['rounds']} round(s){'' if report.get('complete', True) else ' (run incomplete)'}; load average {report['machine']['load_avg_start']} -> "
              f"{report['machine']['load_avg_end']}."
              + (" Our rows interleaved step by step, each on its own clock." if cfg.get("interleave") else "")
-             + (f" Requests kept in flight per batch size (`--refill`), not static groups." if cfg.get("refill") else ""),
+             + (" Requests kept in flight per batch size (`--refill`), not static groups." if cfg.get("refill") else "")
+             + (f" Lengths spread ±{cfg['length_spread']:g} around the mean (`--length-spread`)." if cfg.get("length_spread") else ""),
              "",
              "| row | batch | tokens/s | ms/token | τ | vs adapt AR | vs vLLM | vs vLLM+ngram | agrees with HF |",
              "|---|---|---|---|---|---|---|---|---|"]

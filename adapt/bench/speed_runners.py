@@ -240,17 +240,21 @@ class AdaptRunner:
             self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
-                 refill: bool = False) -> Run:
-        return drive({self.name: self.session(prompts, batch, max_tokens, profile, refill=refill)})[self.name]
+                 refill: bool = False, length_spread: float = 0.0) -> Run:
+        return drive({self.name: self.session(prompts, batch, max_tokens, profile, refill=refill,
+                                              length_spread=length_spread)})[self.name]
 
     def session(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
-                clock=None, refill: bool = False):
+                clock=None, refill: bool = False, length_spread: float = 0.0):
         """`generate` one engine step at a time: a generator that yields after every `Engine.step`
         and returns the `Run` (`drive` runs several side by side). `clock`: what the run's times
         are read from (default `time.perf_counter`; a `StepClock` runs only during this session's
         own steps and is lent to the engine, so its policy sees its own step times).
         `refill`: keep `batch` requests in flight, each finished one replaced by the next prompt
-        (closed-loop clients, as a server sees them) instead of static groups of `batch`."""
+        (closed-loop clients, as a server sees them) instead of static groups of `batch`.
+        `length_spread` s: prompt i asks for `spread_length(max_tokens, s, i)` tokens (mean
+        `max_tokens`, from (1 − s) to (1 + s) times it; adapt/replay.py) instead of `max_tokens`
+        each, as real answers differ in length."""
         from workers.request import DecodeKnobs, SamplingParams
 
         eng = self.engine
@@ -260,7 +264,9 @@ class AdaptRunner:
         clock = clock or time.perf_counter
         turn = getattr(clock, "resume", None) is not None  # a StepClock: runs during our steps only
         engine_clock, eng.clock = eng.clock, clock
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        from adapt.replay import spread_length
+
+        lengths = [spread_length(max_tokens, length_spread, i) for i in range(len(prompts))]
         if self.source == "suffix":
             knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")
         else:
@@ -269,7 +275,8 @@ class AdaptRunner:
         passes, seconds, steps = 0, 0.0, 0
         latencies: list[float] = []  # per request: its group's start (refill: its arrival) to its last token
         probe = PhaseProbe(eng) if profile else None
-        groups = [prompts] if refill else groups_of(prompts, batch)
+        numbered = list(enumerate(prompts))
+        groups = [numbered] if refill else groups_of(numbered, batch)
         try:
             for group in groups:
                 queue = deque(group)
@@ -286,7 +293,9 @@ class AdaptRunner:
                         self._counter += 1
                         ids.append(f"{self.name}-{self._counter}")
                         got[ids[-1]], arrived[ids[-1]] = [], clock()
-                        eng.add_request(ids[-1], queue.popleft(), params, knobs)
+                        i, prompt = queue.popleft()
+                        params = SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+                        eng.add_request(ids[-1], prompt, params, knobs)
                     for out in eng.step():
                         got[out.request_id].extend(out.new_token_ids)
                         stats[out.request_id] = out.stats
