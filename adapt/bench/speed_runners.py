@@ -255,6 +255,7 @@ class AdaptRunner:
         `length_spread` s: prompt i asks for `spread_length(max_tokens, s, i)` tokens (mean
         `max_tokens`, from (1 − s) to (1 + s) times it; adapt/replay.py) instead of `max_tokens`
         each, as real answers differ in length."""
+        from adapt.replay import spread_length
         from workers.request import DecodeKnobs, SamplingParams
 
         eng = self.engine
@@ -264,8 +265,6 @@ class AdaptRunner:
         clock = clock or time.perf_counter
         turn = getattr(clock, "resume", None) is not None  # a StepClock: runs during our steps only
         engine_clock, eng.clock = eng.clock, clock
-        from adapt.replay import spread_length
-
         lengths = [spread_length(max_tokens, length_spread, i) for i in range(len(prompts))]
         if self.source == "suffix":
             knobs = DecodeKnobs(draft_len=eng.width if self.draft_len is None else self.draft_len, source="suffix")
@@ -293,8 +292,8 @@ class AdaptRunner:
                         self._counter += 1
                         ids.append(f"{self.name}-{self._counter}")
                         got[ids[-1]], arrived[ids[-1]] = [], clock()
-                        i, prompt = queue.popleft()
-                        params = SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+                        index, prompt = queue.popleft()
+                        params = SamplingParams(max_tokens=lengths[index], temperature=0.0, ignore_eos=True)
                         eng.add_request(ids[-1], prompt, params, knobs)
                     for out in eng.step():
                         got[out.request_id].extend(out.new_token_ids)
