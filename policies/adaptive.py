@@ -60,10 +60,11 @@ step: deciding delays every row of the step, while what it may catch (one row's 
 row's tokens. On SmolLM2 here (stop 36) deciding took ~1.5 ms of a ~55 ms 8-row step: 3 % of
 the step, 22 % of a row's share; holding there took the policy from 0.91x to 0.95-0.96x
 autoregressive decoding at batch 8 (interleaved runs of equal-length requests), while at batch 1
-(1 ms of a ~38 ms step) it decides every step. (On a larger target deciding is ~2 % of a step and holding would only
-react late to copies.) While holding it reads no suffix drafts (the engine skips proposing
-them) and answers without computing anything; a request joining the batch ends the hold. A held
-step still tells the policy its outcome (latency book-keeping, the online cost model).
+(1 ms of a ~38 ms step) it decides every step. (On a larger target deciding is ~2 % of a step
+and holding would only react late to copies.) While holding it reads no suffix drafts (the
+engine skips proposing them) and answers without computing anything; a request joining the
+batch ends the hold. A held step still tells the policy its outcome (latency book-keeping, the
+online cost model).
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ interleaved, where runs one after another had spread 0.75-1.01x).
 `--refill`: instead of static groups, keep `batch` requests in flight and replace each finished
 one by the next prompt (closed-loop clients, as a server sees them; our rows only). In a static
 group the slowest row sets the time, so tokens that other rows win early do not shorten it.
+`--length-spread S`: prompt i asks for `max_tokens · (1 − S + 2S · frac(i · φ))` tokens
+(`adapt.replay.spread_length`, mean `--max-tokens`; our rows only), as answers that end at EOS
+differ in length; with equal lengths autoregressive rows finish in lockstep.
 
 Writes OUT/speed.json, OUT/speed.png (bars: tokens/s per row and batch size) and OUT/speed.md
 (the result table that docs/benchmarks.md quotes).
@@ -255,7 +258,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
         label = row_label(row)
         # --interleave: every row its own engine (the rows step in turns)
         engine = dict(dtype=args.dtype, max_batch=max_batch, max_len=max_len, compile=args.compile,
-                      engines=None if getattr(args, "interleave", False) else engines)
+                      engines=None if args.interleave else engines)
         if k_s := static_row(row):
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k_s[0], steps=k_s[1])
         elif row == "adapt":
