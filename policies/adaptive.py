@@ -65,6 +65,13 @@ and holding would only react late to copies.) While holding it reads no suffix d
 engine skips proposing them) and answers without computing anything; a request joining the
 batch ends the hold. A held step still tells the policy its outcome (latency book-keeping, the
 online cost model).
+
+Draft span (``span_headroom``): the drafter denoises only the block positions a row may verify
+(`draft_span`, asked by the engine before drafting): the plan's longest diffusion draft plus
+``span_headroom`` (2) positions, not the whole block of 16. On SmolLM2 the first k positions
+of a truncated block draft as well as the whole block's (greedy τ within ±1.5 % for k = 1…8,
+stop 37), and a pass over 5 positions instead of 17 costs 2.6 instead of 4.0 ms at one row, 8.8
+instead of 17.6 ms at eight.
 """
 
 from __future__ import annotations
@@ -95,8 +102,11 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 **kwargs):
+                 span_headroom: int | None = 2, **kwargs):
         super().__init__(**kwargs)
+        if span_headroom is not None and (not isinstance(span_headroom, int) or span_headroom < 0):
+            raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
+        self.span_headroom = span_headroom
         self.sla_guard = bool(sla_guard)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
@@ -221,6 +231,21 @@ class AdaptivePolicy(Policy):
         elif not plain:
             self._plain_run = 0
         return steps
+
+    def _span(self, rows, steps: list[int]) -> int:
+        """`draft_span`: the longest draft the plan gives a diffusion row, plus ``span_headroom``
+        positions (after drafting, confident drafts may verify a little past the plan: on
+        SmolLM2's mixed workload a plan of k = 2 or 3 ended at k ≤ plan + 2 in 99 % of rows); the
+        whole block where verifying every slot is nearly free (`_flat`), with ``span_headroom``
+        None, or without a plan for these rows."""
+        K = int(getattr(rows, "block_size", 0) or self.block_size)
+        diffusing = torch.tensor([s > 0 for s in steps])                               # [B]
+        plan = self._plan
+        if (self.span_headroom is None or plan is None or plan[0] != tuple(rows.request_ids)
+                or not bool(diffusing.any()) or self._flat(len(diffusing), K, rows_per_pass(steps))):
+            return K
+        planned = int(plan[4][diffusing].max()) - 1  # toks: verified positions, bonus included
+        return max(1, min(K, planned + self.span_headroom))
 
     def stats(self) -> dict:
         out = super().stats()

@@ -3,6 +3,8 @@
 A *policy* answers three calls from the engine every step, for every row of the batch:
 
 - ``choose_steps(rows) -> [B] int64``: diffusion steps ``s`` before drafting (0 = no draft);
+- ``draft_span(rows, steps) -> int`` (between the two): the most drafted tokens a diffusion row
+  may verify this step, so the drafter denoises only that many block positions;
 - ``choose_verify(rows, draft) -> VerifyDecision``: after drafting, the draft length ``k`` to
   verify and the acceptance rule with its parameters (the leniency); not asked on a step where
   no row drafts (there is nothing to verify);
@@ -129,6 +131,15 @@ class Policy:
         self.steps_decided += 1
         return steps
 
+    def draft_span(self, rows, steps: list[int]) -> int:
+        """The most drafted tokens any diffusion row may verify this step, asked after
+        `choose_steps` (``steps``: its answer, host ints) and before drafting: the engine denoises only that
+        many positions of the drafter's block (`_span`; the whole block unless a policy knows better)."""
+        t0 = time.thread_time()
+        span = self._span(rows, steps)
+        self.decision_s += time.thread_time() - t0
+        return span
+
     def choose_verify(self, rows, draft):
         t0 = time.thread_time()
         if draft.confidence.device.type != "cpu":  # decide on the host: one read of the features, none after
@@ -165,6 +176,11 @@ class Policy:
 
     def _verify(self, rows, draft, ctx: dict):
         raise NotImplementedError
+
+    def _span(self, rows, steps: list[int]) -> int:
+        """`draft_span`: the whole block (a policy that picks draft lengths after drafting, from
+        features of every position, needs them all)."""
+        return int(getattr(rows, "block_size", 0) or self.block_size)
 
     # -- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -33,6 +33,9 @@ class StaticPolicy(Policy):
         s = self.steps if self._draft_len(rows) > 0 else 0
         return torch.full((len(rows.request_ids),), s, dtype=torch.int64)
 
+    def _span(self, rows, steps):
+        return self._draft_len(rows)
+
     def _verify(self, rows, draft, ctx):
         K = draft.confidence.shape[1]
         k = torch.where(draft.steps > 0, min(self._draft_len(rows), K), 0).to(torch.int64)   # [B]

@@ -11,7 +11,12 @@ Every engine step asks a `DecisionMaker` twice per row:
    acceptance rule with its parameters, from features of the draft distributions only
    (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
    Not asked on a step where no row drafts (every s = 0): there is nothing to verify;
-and reports the outcome with `observe`. The engine never imports policies or the controller;
+and reports the outcome with `observe`. Optionally, between the two, `draft_span(rows, steps)` (``steps``: the
+first answer as host ints):
+the most drafted tokens any diffusion row may verify this step; the engine then denoises only
+that many positions of the drafter's block (a pass over `[anchor, MASK x span]` instead of
+`[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0 at one row, 8.8 instead of 17.6 at
+eight, for span 4 of 16), and no row verifies more. Without it the whole block is denoised. The engine never imports policies or the controller;
 it is handed an object with these three methods. `StaticDecisions` (the default) returns each
 request's own `DecodeKnobs`.
 
@@ -144,6 +149,7 @@ class DecisionMaker(Protocol):
     def choose_steps(self, rows: RowState) -> torch.Tensor: ...  # [B] int64
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
     def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
+    # optional: def draft_span(self, rows: RowState, steps: list[int]) -> int (module docstring)
 
 
 class StaticDecisions:
@@ -157,6 +163,11 @@ class StaticDecisions:
     def choose_steps(self, rows: RowState) -> torch.Tensor:
         return torch.tensor([0 if kn.draft_len <= 0 else SUFFIX if kn.source == "suffix" else kn.steps
                              for kn in rows.knobs], dtype=torch.int64)
+
+    def draft_span(self, rows: RowState, steps: list[int]) -> int:
+        """The most drafted tokens a diffusion row (``steps``, host ints, > 0) verifies this step:
+        its knobs' draft length (the engine denoises only that many block positions)."""
+        return max((kn.draft_len for kn, s in zip(rows.knobs, steps) if s > 0), default=0)
 
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision:
         dev = draft.steps.device  # the host: reads only host tensors, answers on the host

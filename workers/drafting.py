@@ -185,9 +185,10 @@ class DrafterContext:
         if n > 0:
             self.pending[dst, :n] = self.pending[src, :n]
 
-    def draft(self, batch: StepBatch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, batch: StepBatch, rows: list[int], span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Denoise `[anchor, MASK x K]` for rows `rows` of `batch` (whose context must be written:
-        `flush` them first).
+        `flush` them first), K = `span` (the first `span` positions of the drafter's block; default
+        the whole block: a step that verifies at most `span` drafted tokens need not denoise the rest).
         Returns drafted tokens [Bd, K] (target ids) and q [Bd, K, Vd], the distribution each was
         drawn from, over the draft vocabulary (`denoise`; `self.vocab_ids` are its target ids).
 
@@ -195,7 +196,7 @@ class DrafterContext:
         row's context (columns C .. C + K, free: past every drafting row's length), so attention
         reads context and block in place; RoPE and the mask are built once for all passes."""
         running = batch.requests
-        dev, K, dr = self.device, self.block, self.drafter
+        dev, K, dr = self.device, min(span or self.block, self.block), self.drafter
         everyone = len(rows) == batch.size
         sel = None if everyone else torch.tensor(rows, device=dev)
         pick = (lambda t: t) if everyone else (lambda t: None if t is None else t[sel])
@@ -214,7 +215,9 @@ class DrafterContext:
         positions = L[:, None] + torch.arange(K + 1, device=dev)  # [Bd, K + 1]
         rope = dr.rope(positions, dtype, bound=self.cache.max_len)
         steps = [batch.steps_host[i] for i in rows]
-        uniforms = draw_uniforms([running[i].generator for i in rows], steps, K, dev)
+        # drawn for the whole block (a row's generator advances alike whatever the span)
+        uniforms = draw_uniforms([running[i].generator for i in rows], steps, self.block, dev)
+        uniforms = None if uniforms is None else uniforms[..., :K]
         return denoise(lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope), pick(batch.anchors),
                        steps, K, pick(batch.temperature), pick(batch.top_k), pick(batch.top_p),
                        pick(batch.left_to_right), uniforms, self.vocab_ids)
@@ -264,16 +267,16 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
     rows = batch.diffusion_rows
     if rows:
         context.flush(batch.requests, rows)
-        tok_d, q_d = context.draft(batch, rows)
+        span = min(batch.span or K, K)
+        tok_d, q_d = context.draft(batch, rows, span)                                   # [Bd, span], [Bd, span, Vd]
         if with_features:
             c, e, mg = draft_features(q_d)
         else:  # nobody reads them: zeros, as for rows that do not draft
-            c = e = mg = torch.zeros(len(rows), K, device=dev)
-        if len(rows) == B:
+            c = e = mg = torch.zeros(len(rows), span, device=dev)
+        if len(rows) == B and span == K:
             tokens, conf, ent, margin, q_all = tok_d, c, e, mg, q_d
-        else:
+        else:  # q stays `span` wide: no row verifies past it (`Engine._plan` caps k)
             sel = torch.tensor(rows, device=dev)
-            tokens[sel], conf[sel], ent[sel], margin[sel] = tok_d, c, e, mg
-            q_all = torch.zeros(B, K, q_d.shape[-1], device=dev)
-            q_all[sel] = q_d
+            tokens[sel, :span], conf[sel, :span], ent[sel, :span], margin[sel, :span] = tok_d, c, e, mg
+            q_all = q_d if len(rows) == B else torch.zeros(B, span, q_d.shape[-1], device=dev).index_copy_(0, sel, q_d)
     return StepDrafts(tokens, q_all, conf, ent, margin, None if context is None else context.vocab_ids)

@@ -421,7 +421,18 @@ class Engine:
             anchors=torch.tensor([r.output[-1] for r in run], device=dev), temperature=temp, top_k=top_k, top_p=top_p,
             steps=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
             conditional=conditional, exact_rule=exact_rules(rows.temperature, conditional),
-            lossless=torch.tensor([r.knobs.lossless for r in run]))
+            lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(rows, steps_host))
+
+    def _span(self, rows: RowState, steps_host: list[int]) -> int:
+        """The block positions the drafter denoises this step: the decision maker's `draft_span`
+        (the most drafted tokens any diffusion row may verify; optional, default the whole block),
+        in [1, K]; the whole block on a compiled engine (its drafter programs have the block's
+        shape) or when no row drafts by diffusion."""
+        K = self.block
+        ask = getattr(self.decisions, "draft_span", None)
+        if ask is None or self.compiled or not any(s > 0 for s in steps_host):
+            return K
+        return max(1, min(K, int(ask(rows, steps_host))))
 
     def _plan(self, batch: StepBatch, feats: DraftFeatures) -> StepPlan:
         """Draft lengths and rules per row: the decision maker's, capped by the draft each row has
@@ -435,7 +446,7 @@ class Engine:
         on_host = all(t.device.type == "cpu" for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         at = torch.device("cpu") if on_host else self.device
         steps = batch.steps.to(at)
-        longest = torch.where(steps > 0, K, 0)
+        longest = torch.where(steps > 0, batch.span or K, 0)  # diffusion rows drafted `span` tokens
         if rows.suffix_len is not None:
             longest = torch.where(steps == SUFFIX, rows.suffix_len.to(at), longest)
         k = torch.minimum(dec.draft_len.to(at).clamp(min=0), longest)
@@ -467,6 +478,7 @@ class Engine:
         batch = self._batch(rows, steps, s_host)
 
         # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
+        # over the first `span` positions of the block (the most any of them may verify)
         drafts = draft_step(batch, self.drafting, K, self._reads_features())
         t_draft = self.clock()
 

@@ -1,0 +1,105 @@
+"""The draft span: the engine denoises only the block positions a step may verify
+(`DecisionMaker.draft_span`, workers/decisions.py), and stays exact."""
+
+from __future__ import annotations
+
+import torch
+
+import policies
+from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
+from workers.request import DecodeKnobs, SamplingParams
+
+PROMPTS = [[3, 7, 11, 13, 17], [4, 9, 2, 8], [5, 5, 6, 1, 12, 3], [2, 14, 7]]
+
+
+def _engine(**kw) -> Engine:
+    return Engine(EngineConfig(target=DEMO_TARGET, drafter=DEMO_DRAFTER, device="cpu", dtype="float32",
+                               max_batch=4, max_len=128, **kw))
+
+
+def _record_block_widths(engine) -> list[int]:
+    """Wrap the engine's denoising pass; returns the list its block widths (K + 1 per pass) go to."""
+    widths, inner = [], engine.drafting.draft_pass
+
+    def draft_pass(tokens, masked, *rest):
+        widths.append(tokens.shape[1])
+        return inner(tokens, masked, *rest)
+
+    engine.drafting.draft_pass = draft_pass
+    return widths
+
+
+def _run(engine, knobs: list[DecodeKnobs], temperature: float = 0.0, tokens: int = 24) -> dict[str, list[int]]:
+    for i, (p, kn) in enumerate(zip(PROMPTS, knobs)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=tokens, temperature=temperature, seed=i,
+                                                       ignore_eos=True), kn)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_static_knobs_denoise_only_the_longest_verified_draft_and_stay_greedy_exact():
+    engine = _engine()
+    K = engine.block
+    widths = _record_block_widths(engine)
+    knobs = [DecodeKnobs(steps=1, draft_len=k) for k in (2, 3, 0, 3)]
+    got = _run(engine, knobs)
+    assert widths and set(widths) <= {3, 4} and 4 in widths  # [anchor, MASK x span], span = 3 < K
+    assert K > 4
+    ar = _run(_engine(), [DecodeKnobs(draft_len=0)] * 4)
+    assert got == ar  # greedy: token for token the target's own output
+
+
+def test_sampled_rows_with_a_short_span_and_rows_that_do_not_draft_decode_to_the_end():
+    """Sampled lossless and lenient rows beside a row that does not draft: q is `span` wide, rows
+    are scattered into it, and every request finishes with its tokens."""
+    engine = _engine()
+    widths = _record_block_widths(engine)
+    knobs = [DecodeKnobs(steps=1, draft_len=2), DecodeKnobs(draft_len=0),
+             DecodeKnobs(steps=2, draft_len=3, quality="tvd=0.1"), DecodeKnobs(steps=1, draft_len=1)]
+    out = _run(engine, knobs, temperature=0.8, tokens=20)
+    assert sorted(out) == ["r0", "r1", "r2", "r3"] and all(len(v) == 20 for v in out.values())
+    assert widths and max(widths) == 4
+
+
+def test_a_decision_maker_without_draft_span_drafts_the_whole_block():
+    class Whole:  # the three required methods only
+        def __init__(self):
+            from workers.decisions import StaticDecisions
+            self.inner = StaticDecisions()
+
+        def choose_steps(self, rows):
+            return self.inner.choose_steps(rows)
+
+        def choose_verify(self, rows, draft):
+            return self.inner.choose_verify(rows, draft)
+
+        def observe(self, rows, outcome):
+            return None
+
+    engine = _engine()
+    engine.decisions = Whole()
+    widths = _record_block_widths(engine)
+    _run(engine, [DecodeKnobs(steps=1, draft_len=2)] * 4, tokens=6)
+    assert set(widths) == {engine.block + 1}
+
+
+def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
+    from tests.test_policies import make_rows
+
+    rows = make_rows(3, K=16)
+    p = policies.get("adaptive", flat_share=0.0)
+    toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
+    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
+    assert p.draft_span(rows, [1, 0, 2]) == 4 + 2      # row 2 plans k = 4
+    assert p.draft_span(rows, [1, 0, -1]) == 2 + 2     # row 2 took its suffix draft instead
+    p.span_headroom = None
+    assert p.draft_span(rows, [1, 0, 2]) == 16
+    p.span_headroom = 2
+    p._plan = (("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([3.0]))
+    assert p.draft_span(rows, [1, 0, 2]) == 16           # no plan for these rows: the whole block
+    import pytest
+    with pytest.raises(ValueError, match="span_headroom"):
+        policies.get("adaptive", span_headroom=-1)
