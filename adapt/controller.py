@@ -196,9 +196,12 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
 
     - verify table: one target forward over ``n`` tokens (with the stash of their hidden states);
-    - draft table: one denoising pass over ``rows`` blocks of ``K + 1`` tokens, plus the lazy
-      drafter-context commit of two positions per row (what a row drafting every step flushes on
-      average at τ ≈ 2; the online correction adjusts it to the measured steps);
+    - draft table: one denoising pass over ``rows`` blocks of ``K + 1`` tokens (logits over the
+      draft vocabulary and their softmax, as the engine drafts), plus the lazy drafter-context
+      commit of two positions per row (what a row drafting every step flushes on average at
+      τ ≈ 2; the online correction adjusts it to the measured steps); and ``span_share``, a pass
+      over ``[anchor, MASK]`` against a whole block (the draft span, `CostModel.span_scale`; 1 on
+      a compiled engine, which drafts whole blocks);
     - ``overhead_ms``: the median time of ``overhead_steps`` real autoregressive engine steps of one
       request, minus the verify table's value at one token;
     - then the *drafting extra*: the median time of real speculative steps of one request (s = 1,
@@ -233,25 +236,29 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     draft_fn = None
     if dr is not None:
 
-        def draft_fn(rows: int) -> None:
+        def draft_fn(rows: int, span: int = K) -> None:
+            # as the engine drafts: commit two context positions, one pass over [anchor, MASK x span]
+            # with logits over the draft vocabulary, and their softmax
             b = min(rows, max_b)
             slots = torch.arange(b, device=dev)
             start = torch.full((b,), context, dtype=torch.long, device=dev)
             flushed = dr.context_kv(engine.pending[:b, :2], start[:, None] + torch.arange(2, device=dev))
             engine.dcache.write_rows(flushed, slots, start)
             ctx = engine.dcache.views(0, b, context)
-            tokens = torch.zeros(b, K + 1, dtype=torch.long, device=dev)
-            masked = torch.ones(b, K + 1, dtype=torch.bool, device=dev)
+            tokens = torch.zeros(b, span + 1, dtype=torch.long, device=dev)
+            masked = torch.ones(b, span + 1, dtype=torch.bool, device=dev)
             masked[:, 0] = False
-            positions = context + torch.arange(K + 1, device=dev).expand(b, K + 1)
-            ctx_mask = torch.ones(b, K + 1, context, dtype=torch.bool, device=dev)
+            positions = context + torch.arange(span + 1, device=dev).expand(b, span + 1)
+            ctx_mask = torch.ones(b, span + 1, context, dtype=torch.bool, device=dev)
             hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, ctx_mask)
-            dr.logits(hidden[:, 1:])
+            torch.softmax(dr.draft_logits(hidden[:, 1:]).float(), -1)
 
     grid_rows = [r for r in row_grid if r <= max_b] or [1, 2]
     if len(grid_rows) < 2:
         grid_rows = [1, 2]
-    cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync)
+    short = None if draft_fn is None or engine.compiled else (lambda rows: draft_fn(rows, 1))  # compiled: whole blocks
+    cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync,
+                             short_draft_fn=short, block=K)
     if overhead_steps > 0:
         ar = _step_times(engine, context, overhead_steps, draft_len=0)
         cost.overhead_ms = max(0.0, ar - float(cost.verify.at(1.0)))

@@ -121,7 +121,7 @@ class CostModel:
     """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
 
     def __init__(self, verify: Table | None = None, draft_pass: Table | None = None, overhead_ms: float = 0.0,
-                 rate: float = 0.05, source: str = "default"):
+                 rate: float = 0.05, source: str = "default", span_share: float = 1.0, block: int = 0):
         # default: a memory-bound-then-linear shape, in arbitrary but plausible CPU milliseconds
         self.verify = verify or Table(DEFAULT_TOKEN_GRID, [8.0, 8.2, 8.5, 9.5, 12, 18, 30, 55, 105, 205, 405],
                                       "cost.verify")
@@ -133,15 +133,29 @@ class CostModel:
         self.rate = float(rate)
         self.source = source
         self.observed_steps = 0
+        # draft span (workers/decisions.py `draft_span`): a pass over the first `span` of the block's
+        # `block` positions costs `span_share + (1 − span_share) · (span − 1) / (block − 1)` of a
+        # whole-block pass (`draft_pass` is the whole block's); `span` is what the deciding policy
+        # currently drafts (None: the whole block); span_share 1: passes cost alike at every span
+        if not (np.isfinite(span_share) and 0.0 < span_share <= 1.0):
+            raise ValueError(f"cost.span_share: must be in (0, 1], got {span_share!r}")
+        self.span_share, self.block, self.span = float(span_share), int(block), None
 
     # -- prediction (tensor code) ------------------------------------------------------------------
     def verify_ms(self, num_tokens: torch.Tensor | float) -> torch.Tensor:
         return self.verify(num_tokens)
 
+    def span_scale(self) -> float:
+        """What a pass over the current `span` costs against a whole-block pass (1 without a span)."""
+        if self.span is None or self.block <= 1 or self.span_share >= 1.0:
+            return 1.0
+        f = min(max((self.span - 1) / (self.block - 1), 0.0), 1.0)
+        return self.span_share + (1.0 - self.span_share) * f
+
     def draft_ms(self, rows_per_pass: torch.Tensor) -> torch.Tensor:
         """rows_per_pass: [..., L] rows in each denoising pass (0 = pass not run) -> [...] ms."""
         r = torch.as_tensor(rows_per_pass, dtype=torch.float64)
-        return torch.where(r > 0, self.draft_pass(r), torch.zeros_like(r)).sum(-1)
+        return torch.where(r > 0, self.draft_pass(r), torch.zeros_like(r)).sum(-1) * self.span_scale()
 
     def step_ms(self, num_tokens: torch.Tensor | float, rows_per_pass: torch.Tensor | None = None) -> torch.Tensor:
         t = self.overhead_ms + self.verify_ms(num_tokens)
@@ -153,11 +167,11 @@ class CostModel:
         """`step_ms` for one step, in plain Python floats: ``rows_per_pass`` a list of row counts."""
         t = self.overhead_ms + self.verify.at(float(num_tokens))
         if rows_per_pass:
-            t += sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0)
+            t += self.draft_ms_at(rows_per_pass)
         return t
 
     def draft_ms_at(self, rows_per_pass: Sequence[int]) -> float:
-        return sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0)
+        return sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0) * self.span_scale()
 
     @staticmethod
     def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
@@ -177,7 +191,8 @@ class CostModel:
         if verify_ms is not None and np.isfinite(verify_ms):
             self.verify.nudge(num_tokens, verify_ms - self.verify.at(num_tokens), self.rate)
             if draft_ms is not None and np.isfinite(draft_ms) and rows:
-                resid = (draft_ms - self.draft_ms_at(rows)) / len(rows)
+                # in whole-block units: the table holds whole-block passes
+                resid = (draft_ms - self.draft_ms_at(rows)) / len(rows) / self.span_scale()
                 for r in rows:
                     self.draft_pass.nudge(r, resid, self.rate)
             return
@@ -186,7 +201,7 @@ class CostModel:
             # a drafting step: its residual is what drafting costs beyond the tables (acceptance
             # over the block, the drafter-context commit, features), spread over its passes
             for r in rows:
-                self.draft_pass.nudge(r, resid / len(rows), self.rate)
+                self.draft_pass.nudge(r, resid / len(rows) / self.span_scale(), self.rate)
             return
         # a step without drafts: half to the per-step overhead (what every step pays: decisions,
         # bookkeeping), half to the verify table at this size (what depends on it)
@@ -197,8 +212,11 @@ class CostModel:
     @classmethod
     def profile(cls, verify_fn: Callable[[int], None], draft_fn: Callable[[int], None] | None = None,
                 token_grid: Sequence[int] = DEFAULT_TOKEN_GRID[:9], row_grid: Sequence[int] = DEFAULT_ROW_GRID[:7],
-                repeats: int = 5, sync: Callable[[], None] | None = None) -> "CostModel":
-        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` on a grid (median of ``repeats``)."""
+                repeats: int = 5, sync: Callable[[], None] | None = None,
+                short_draft_fn: Callable[[int], None] | None = None, block: int = 0) -> "CostModel":
+        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid
+        (median of ``repeats``); with ``short_draft_fn(rows)`` (a pass over the first position of
+        the block's ``block``) also `span_share`, their ratio at the grid's middle row count."""
 
         def timed(fn, arg) -> float:
             fn(arg)  # warm-up
@@ -214,10 +232,13 @@ class CostModel:
             return float(np.median(samples))
 
         verify = Table(token_grid, _monotone([timed(verify_fn, n) for n in token_grid]), "cost.verify")
-        draft = None
+        draft, share = None, 1.0
         if draft_fn is not None:
             draft = Table(row_grid, _monotone([timed(draft_fn, n) for n in row_grid]), "cost.draft_pass")
-        return cls(verify, draft, source="profile")
+            if short_draft_fn is not None and block > 1:
+                mid = row_grid[len(row_grid) // 2]
+                share = min(max(timed(short_draft_fn, mid) / max(timed(draft_fn, mid), 1e-6), 0.05), 1.0)
+        return cls(verify, draft, source="profile", span_share=share, block=block)
 
     @classmethod
     def fit_traces(cls, table) -> "CostModel":
@@ -262,13 +283,15 @@ class CostModel:
     # -- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"verify": self.verify.to_dict(), "draft_pass": self.draft_pass.to_dict(),
-                "overhead_ms": self.overhead_ms, "rate": self.rate, "source": self.source}
+                "overhead_ms": self.overhead_ms, "rate": self.rate, "source": self.source,
+                "span_share": self.span_share, "block": self.block}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         return cls(Table.from_dict(data["verify"], "cost.verify"), Table.from_dict(data["draft_pass"], "cost.draft_pass"),
                    overhead_ms=float(data.get("overhead_ms", 0.0)), rate=float(data.get("rate", 0.05)),
-                   source=str(data.get("source", "file")))
+                   source=str(data.get("source", "file")), span_share=float(data.get("span_share", 1.0)),
+                   block=int(data.get("block", 0)))
 
 
 def _binned_median(x: np.ndarray, y: np.ndarray, grid: Sequence[float]) -> tuple[list[float], list[float]]:

@@ -107,6 +107,7 @@ class AdaptivePolicy(Policy):
         if span_headroom is not None and (not isinstance(span_headroom, int) or span_headroom < 0):
             raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
         self.span_headroom = span_headroom
+        self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
         self.sla_guard = bool(sla_guard)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
@@ -243,9 +244,20 @@ class AdaptivePolicy(Policy):
         plan = self._plan
         if (self.span_headroom is None or plan is None or plan[0] != tuple(rows.request_ids)
                 or not bool(diffusing.any()) or self._flat(len(diffusing), K, rows_per_pass(steps))):
-            return K
-        planned = int(plan[4][diffusing].max()) - 1  # toks: verified positions, bonus included
-        return max(1, min(K, planned + self.span_headroom))
+            span = K
+        else:
+            planned = int(plan[4][diffusing].max()) - 1  # toks: verified positions, bonus included
+            span = max(1, min(K, planned + self.span_headroom))
+        self.typical_span = span if self.typical_span is None else 0.8 * self.typical_span + 0.2 * span
+        return span
+
+    def _price_span(self, K: int) -> None:
+        """Let the cost model price drafting passes at the span this policy drafts (`typical_span`;
+        before any, the headroom over a 3-token plan), so the plan and the suffix choice weigh
+        what a pass costs now (`CostModel.span_scale`)."""
+        if hasattr(self.cost, "span"):
+            guess = K if self.span_headroom is None else min(K, 3 + self.span_headroom)
+            self.cost.span = round(self.typical_span) if self.typical_span is not None else guess
 
     def stats(self) -> dict:
         out = super().stats()
@@ -486,6 +498,7 @@ class AdaptivePolicy(Policy):
         """(steps [B], expected extra tokens [B] of each row's planned draft (0 for rows without
         one), planned verified positions [B] (bonus included))."""
         dev = rows.temperature.device
+        self._price_span(K)
         pred = self._predictor_on(dev)
         w = self.weights(ctx)                                                         # [B]
         temp = rows.temperature.to(dev)

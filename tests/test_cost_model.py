@@ -106,3 +106,33 @@ def test_serialisation_round_trip_and_errors():
         CostModel.from_dict({"verify": {"x": [1]}, "draft_pass": {"x": [1, 2], "ms": [1, 1]}})
     with pytest.raises(ValueError, match="overhead_ms"):
         CostModel(overhead_ms=-1.0)
+
+
+def test_draft_span_prices_a_short_pass_and_corrects_in_whole_block_units():
+    draft = Table([1, 8], [4.0, 16.0], "cost.draft_pass")
+    c = CostModel(draft_pass=draft, span_share=0.4, block=16)
+    assert c.span_scale() == 1.0 and c.draft_ms_at([1]) == pytest.approx(4.0)  # no span: whole blocks
+    c.span = 1
+    assert c.draft_ms_at([1]) == pytest.approx(1.6)
+    c.span = 16
+    assert c.draft_ms_at([1]) == pytest.approx(4.0)
+    c.span = 6  # 0.4 + 0.6 · 5/15 = 0.6
+    assert c.draft_ms_at([8, 1]) == pytest.approx(0.6 * 20.0)
+    assert float(c.draft_ms(torch.tensor([[8.0, 1.0]]))[0]) == pytest.approx(0.6 * 20.0)
+    assert c.step_ms_at(1.0, [1]) == pytest.approx(c.step_ms_at(1.0) + 0.6 * 4.0)
+    # a measured pass at span 6 that took what the table says for the whole block: the table rises by 1/0.6
+    c.rate = 1.0
+    c.observe(2.0, [1], 50.0, verify_ms=c.verify.at(2.0), draft_ms=4.0)
+    assert c.draft_pass.at(1.0) == pytest.approx(4.0 / 0.6)
+    back = CostModel.from_dict(c.to_dict())
+    assert (back.span_share, back.block, back.span) == (0.4, 16, None)
+    with pytest.raises(ValueError, match="span_share"):
+        CostModel(span_share=0.0)
+
+
+def test_profile_measures_the_span_share_from_a_short_pass():
+    slept = lambda ms: (lambda n: time.sleep(ms / 1e3))  # noqa: E731
+    c = CostModel.profile(lambda n: None, slept(10.0), token_grid=[1, 2], row_grid=[1, 2], repeats=1,
+                          short_draft_fn=slept(4.0), block=16)
+    assert 0.3 < c.span_share < 0.55 and c.block == 16
+    assert CostModel.profile(lambda n: None, slept(1.0), token_grid=[1, 2], row_grid=[1, 2], repeats=1).span_share == 1.0

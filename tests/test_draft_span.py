@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import policies
@@ -100,6 +101,21 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     p.span_headroom = 2
     p._plan = (("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([3.0]))
     assert p.draft_span(rows, [1, 0, 2]) == 16           # no plan for these rows: the whole block
-    import pytest
     with pytest.raises(ValueError, match="span_headroom"):
         policies.get("adaptive", span_headroom=-1)
+
+
+def test_adaptive_prices_drafting_at_the_span_it_drafts():
+    from adapt.cost_model import CostModel, Table
+    from tests.test_policies import make_rows
+
+    cost = CostModel(draft_pass=Table([1, 8], [4.0, 16.0], "cost.draft_pass"), span_share=0.4, block=16)
+    p = policies.get("adaptive", cost=cost, flat_share=0.0)
+    rows = make_rows(2, K=16)
+    p.choose_steps(rows)
+    assert cost.span == 5  # before any span: the headroom over a 3-token plan
+    for _ in range(20):
+        p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 1]), torch.zeros(2), torch.tensor([2.0, 2.0]))
+        p.draft_span(rows, [1, 1])
+    p._price_span(16)
+    assert cost.span == 3 and cost.span_scale() == pytest.approx(0.4 + 0.6 * 2 / 15)

@@ -325,6 +325,7 @@ def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
     cost = profile_engine(engine, token_grid=(1, 8, 36), row_grid=(1, 2, 4), repeats=1, overhead_steps=4)
     assert cost.source == "profile" and cost.overhead_ms >= 0.0
     assert cost.verify.at(36.0) >= cost.verify.at(1.0) > 0 and cost.draft_pass.at(4.0) > 0
+    assert cost.block == engine.block and 0.0 < cost.span_share <= 1.0  # a one-position pass against a block
     assert not engine.has_unfinished() and engine.decisions is before
     assert isinstance(before, StaticDecisions)
     engine.add_request("later", [1, 2, 3], None, None)  # the engine serves normally afterwards
