@@ -133,8 +133,9 @@ class Policy:
 
     def draft_span(self, rows, steps: list[int]) -> int:
         """The most drafted tokens any diffusion row may verify this step, asked after
-        `choose_steps` (``steps``: its answer, host ints) and before drafting: the engine denoises only that
-        many positions of the drafter's block (`_span`; the whole block unless a policy knows better)."""
+        `choose_steps` (``steps``: its answer, host ints) and before drafting: the engine denoises
+        only that many positions of the drafter's block (`_span`; the whole block unless a policy
+        knows better)."""
         t0 = time.thread_time()
         span = self._span(rows, steps)
         self.decision_s += time.thread_time() - t0

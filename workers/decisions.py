@@ -11,13 +11,13 @@ Every engine step asks a `DecisionMaker` twice per row:
    acceptance rule with its parameters, from features of the draft distributions only
    (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
    Not asked on a step where no row drafts (every s = 0): there is nothing to verify;
-and reports the outcome with `observe`. Optionally, between the two, `draft_span(rows, steps)` (``steps``: the
-first answer as host ints):
-the most drafted tokens any diffusion row may verify this step; the engine then denoises only
-that many positions of the drafter's block (a pass over `[anchor, MASK x span]` instead of
-`[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0 at one row, 8.8 instead of 17.6 at
-eight, for span 4 of 16), and no row verifies more. Without it the whole block is denoised. The engine never imports policies or the controller;
-it is handed an object with these three methods. `StaticDecisions` (the default) returns each
+and reports the outcome with `observe`. Optionally, between the two, `draft_span(rows, steps)`
+(``steps``: the first answer as host ints): the most drafted tokens any diffusion row may verify
+this step; the engine then denoises only that many positions of the drafter's block (a pass
+over `[anchor, MASK x span]` instead of `[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0
+at one row, 8.8 instead of 17.6 at eight, for span 4 of 16), and no row verifies more. Without
+it the whole block is denoised. The engine never imports policies or the controller; it is
+handed an object with these three methods. `StaticDecisions` (the default) returns each
 request's own `DecodeKnobs`.
 
 Exact rule per row (what `lossless` rows always get, see docs/engine.md):
