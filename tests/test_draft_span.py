@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import policies
+from tests.test_policies import make_rows
 from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -88,8 +89,6 @@ def test_a_decision_maker_without_draft_span_drafts_the_whole_block():
 
 
 def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
-    from tests.test_policies import make_rows
-
     rows = make_rows(3, K=16)
     p = policies.get("adaptive", flat_share=0.0)
     toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
@@ -107,8 +106,6 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
 
 def test_adaptive_prices_drafting_at_the_span_it_drafts():
     from adapt.cost_model import CostModel, Table
-    from tests.test_policies import make_rows
-
     cost = CostModel(draft_pass=Table([1, 8], [4.0, 16.0], "cost.draft_pass"), span_share=0.4, block=16)
     p = policies.get("adaptive", cost=cost, flat_share=0.0)
     rows = make_rows(2, K=16)

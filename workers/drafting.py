@@ -267,7 +267,7 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
     rows = batch.diffusion_rows
     if rows:
         context.flush(batch.requests, rows)
-        span = min(batch.span or K, K)
+        span = batch.span or K  # in [1, K] (`Engine._span`)
         tok_d, q_d = context.draft(batch, rows, span)                                   # [Bd, span], [Bd, span, Vd]
         if with_features:
             c, e, mg = draft_features(q_d)
