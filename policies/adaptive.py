@@ -102,8 +102,11 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 span_headroom: int | None = 2, **kwargs):
+                 span_headroom: int | None = 2, closed_weight: float = 0.3, **kwargs):
         super().__init__(**kwargs)
+        if not 0.0 <= closed_weight <= 1.0:
+            raise ValueError(f"closed_weight: must be in [0, 1], got {closed_weight!r}")
+        self.closed_weight = float(closed_weight)
         if span_headroom is not None and (not isinstance(span_headroom, int) or span_headroom < 0):
             raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
         self.span_headroom = span_headroom
@@ -182,12 +185,38 @@ class AdaptivePolicy(Policy):
         self.book.wall_clock = value == "wall"
 
     def weights(self, ctx) -> torch.Tensor:
-        """[B] row weight: 1, more for higher priority, up to 1 + 2·sla_weight when far behind target
-        (computed once per step and kept in ``ctx``)."""
+        """[B] row weight: 1, more for higher priority, up to 1 + 2·sla_weight when far behind target,
+        times the row's tail weight in a closed batch (`_tail`) (computed once per step and kept in
+        ``ctx``)."""
         if "w" not in ctx:
             behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
             ctx["w"] = (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
+            if "tail" in ctx:
+                ctx["w"] = ctx["w"] * ctx["tail"]
         return ctx["w"]
+
+    def _ctx(self, rows, device) -> dict:
+        ctx = super()._ctx(rows, device)
+        if "tail" not in ctx and getattr(rows, "closed", False):
+            ctx["tail"] = self._tail(rows).to(ctx["lateness"].device)
+        return ctx
+
+    def _tail(self, rows) -> torch.Tensor:
+        """[B] what a row's tokens are worth in a **closed batch** (`RowState.closed`: nothing waits,
+        nothing will join): 1 for the rows with the most tokens left (the batch's *tail*: the batch
+        ends when they do), ``closed_weight`` for rows ahead of them. A token of a row ahead only
+        brings its exit forward, which saves what that row adds to each later step (on SmolLM2
+        here ~3 ms of an 8-row step of ~55 ms, a third of a row's share of it), not a step of the
+        batch; so drafting for rows ahead (above all copying long suffix drafts, which widen the
+        whole step) is worth a fraction of what it is worth where a waiting or arriving request
+        would take the freed slot. Measured without it (stop 38, 8 equal-length requests): the
+        policy widened steps by 21 % for 3 % fewer steps, 0.935x autoregressive decoding, while its
+        mean request latency was 9 % lower."""
+        B = len(rows.request_ids)
+        if self.closed_weight >= 1.0 or B < 2:
+            return torch.ones(B)
+        left = rows.remaining.float().cpu()                                              # [B]
+        return torch.where(left >= left.max(), torch.ones(B), torch.full((B,), self.closed_weight))
 
     def _flat(self, B: int, K: int, rpp: list[int]) -> bool:
         """True when verifying every drafted slot costs under ``flat_share`` more than verifying none."""

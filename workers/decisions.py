@@ -72,7 +72,10 @@ class RowState:
     drafts: `EngineConfig.pack`) rather than every row padded to the longest draft.
     decode_ms: wall ms since each row's first token, at the start of this step: what a client's
     time per output token counts (decode steps, and other requests' prefills between them);
-    None where there is no wall clock (a trace replay)."""
+    None where there is no wall clock (a trace replay).
+    closed: a **closed batch**: no request waits and the engine's caller promised that none joins
+    until these rows have all finished (`Engine.closed`: an offline batch). A row that finishes
+    early then frees a slot nobody takes: the batch ends with its slowest row."""
 
     request_ids: list[str]
     knobs: list[DecodeKnobs]
@@ -92,6 +95,7 @@ class RowState:
     suffix_vote: torch.Tensor | None = None   # [B, W] float32, W >= the longest suffix draft
     packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
     decode_ms: torch.Tensor | None = None     # [B] float32 wall ms since the row's first token
+    closed: bool = False                      # a closed batch: nothing waits, nothing will join
 
 
 @dataclass(frozen=True)

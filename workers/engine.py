@@ -208,6 +208,10 @@ class Engine:
         self.prefill_seconds = 0.0  # wall time spent in prefills so far (running rows wait meanwhile)
         self.prefill_ms_per_token: float | None = None  # running average over this engine's prefills
         self.deferred_steps = 0  # steps that left a waiting request waiting although a slot was free
+        # the caller's promise that no request joins until every running one has finished (an
+        # offline batch, e.g. a group of `adapt bench speed`); a server never sets it. With nothing
+        # waiting either, a slot freed early stays empty: `RowState.closed`
+        self.closed = False
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
 
@@ -618,7 +622,7 @@ class Engine:
             temperature=torch.tensor([float(r.params.temperature) for r in run]),
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
             remaining=torch.tensor([remaining(r, self.max_len) for r in run]), batch_size=len(run), block_size=self.width,
-            has_drafter=self.drafter is not None, packed_verify=self.pack,
+            has_drafter=self.drafter is not None, packed_verify=self.pack, closed=self.closed and not self.waiting,
             decode_ms=torch.tensor([1e3 * (now - r.t_first) for r in run], dtype=torch.float32), **suffix)
 
     def _release(self, idx: list[int]) -> None:

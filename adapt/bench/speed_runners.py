@@ -295,6 +295,7 @@ class AdaptRunner:
                         index, prompt = queue.popleft()
                         params = SamplingParams(max_tokens=lengths[index], temperature=0.0, ignore_eos=True)
                         eng.add_request(ids[-1], prompt, params, knobs)
+                    eng.closed = not queue  # an offline batch: no request joins this group any more
                     for out in eng.step():
                         got[out.request_id].extend(out.new_token_ids)
                         stats[out.request_id] = out.stats
@@ -314,7 +315,7 @@ class AdaptRunner:
                 outputs.extend(got[i] for i in ids)
                 passes += steps if refill else max(stats[i]["target_passes"] for i in ids)
         finally:
-            eng.clock = engine_clock
+            eng.clock, eng.closed = engine_clock, False
             if probe is not None:
                 probe.__exit__(None, None, None)
         extra = {}

@@ -1,0 +1,76 @@
+"""Closed batches: the engine tells its decision maker when no request waits and none will join
+(`Engine.closed`, `RowState.closed`), and the adaptive policy then values the tokens of rows
+ahead of the batch's tail at `closed_weight` (`AdaptivePolicy._tail`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from policies.adaptive import AdaptivePolicy
+from policies.defaults import LinearCost
+from tests.tiny_models import make_tiny_target, single_thread
+from workers.decisions import SUFFIX, RowState
+from workers.engine import Engine, EngineConfig
+from workers.request import DecodeKnobs, SamplingParams
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+def copy_rows(remaining: list[int], closed: bool) -> RowState:
+    """Two rows with the same long confident copy (match 32, 8 tokens), packed verification."""
+    B = len(remaining)
+    return RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B),
+                    remaining=torch.tensor(remaining), batch_size=B, block_size=16, has_drafter=False,
+                    suffix_len=torch.full((B,), 8), suffix_score=torch.full((B,), 7.0),
+                    suffix_match=torch.full((B,), 32), packed_verify=True, closed=closed)
+
+
+def policy(**settings) -> AdaptivePolicy:
+    # every verified position costs 4 ms on top of a 10 ms step: a copy pays only at full worth
+    return AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=4.0), online_cost=False, hold_max=0,
+                          suffix_recalibrate=False, **settings)
+
+
+def test_a_closed_batch_drafts_for_its_tail_and_not_for_rows_ahead():
+    """Row 0 has 50 tokens left, row 1 is 20 ahead. Open (a freed slot would be taken), both
+    copy; closed, the row ahead does not (its copy would only bring its exit forward) and the
+    tail row still does; with ``closed_weight`` 1 a closed batch is decided as an open one."""
+    open_steps = policy().choose_steps(copy_rows([50, 30], closed=False))
+    assert open_steps.tolist() == [SUFFIX, SUFFIX]
+    p = policy()
+    assert p.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
+    assert p.weights(p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))).tolist() == pytest.approx([1.0, 0.3])
+    assert policy(closed_weight=1.0).choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    # rows level with each other are all the tail: decided as in an open batch
+    assert policy().choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
+
+
+def test_tail_weights_and_setting_checks():
+    p = policy(closed_weight=0.5)
+    rows = copy_rows([7, 9, 9, 3], closed=True)
+    assert p._tail(rows).tolist() == [0.5, 1.0, 1.0, 0.5]
+    assert p._tail(copy_rows([4], closed=True)).tolist() == [1.0]  # one row is always the tail
+    assert "tail" not in p._ctx(dataclasses.replace(rows, closed=False), torch.device("cpu"))
+    with pytest.raises(ValueError, match="closed_weight"):
+        AdaptivePolicy(closed_weight=1.5)
+    with pytest.raises(ValueError, match="closed_weight"):
+        AdaptivePolicy(closed_weight=-0.1)
+
+
+def test_the_engine_reports_a_closed_batch_only_when_nothing_waits(tmp_path):
+    target = make_tiny_target(tmp_path / "t", vocab=16, seed=4)
+    engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=1, max_len=64))
+    engine.add_request("a", [3, 4, 5, 3], SamplingParams(max_tokens=6))
+    engine.add_request("b", [9, 9, 2, 7], SamplingParams(max_tokens=6))
+    engine.step()
+    assert not engine._row_state().closed  # by default a batch is open
+    engine.closed = True
+    assert engine.waiting and not engine._row_state().closed  # "b" waits for a slot: still open
+    while engine.waiting:
+        engine.step()
+    assert engine._row_state().closed  # nothing waits and the caller promised nothing joins
