@@ -147,6 +147,33 @@ def feature_loss(drafter, data: dict, rows: torch.Tensor, anchors: torch.Tensor,
     return loss, stats
 
 
+def grow_drafter(drafter, num_layers: int, hf, embed, lm_head, seed: int = 0):
+    """`drafter` with layers appended up to `num_layers`, each added layer's output projections
+    (attention `o_proj`, MLP `down_proj`) zero, so that it starts as the identity on the residual
+    stream: the grown drafter drafts exactly as `drafter` did, and training then uses the new
+    capacity (a warm start of a deeper drafter). Its other parts are `drafter`'s."""
+    import dataclasses
+
+    cfg = drafter.config
+    if num_layers <= cfg.num_layers:
+        raise ValueError(f"--layers {num_layers}: a warm start can only add layers to the {cfg.num_layers} it has")
+    big = init_drafter(hf, embed, lm_head, seed=seed, num_layers=num_layers,
+                       draft_ids=drafter.draft_ids if cfg.draft_vocab_size else None, block_size=cfg.block_size,
+                       target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.intermediate_size,
+                       num_heads=cfg.num_heads)
+    if dataclasses.replace(big.config, num_layers=cfg.num_layers) != cfg:
+        raise ValueError("grow_drafter: the grown drafter's config differs in more than its layer count")
+    added = tuple(f"layers.{i}." for i in range(cfg.num_layers, num_layers))
+    missing, unexpected = big.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or not all(k.startswith(added) for k in missing):
+        raise ValueError(f"grow_drafter: unexpected {unexpected[:3]}, missing {missing[:3]}")
+    with torch.no_grad():
+        for layer in big.layers[cfg.num_layers:]:
+            layer.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return big
+
+
 def train(args) -> dict:
     from tqdm import tqdm
 
@@ -177,6 +204,9 @@ def train(args) -> dict:
             t2d[ids] = torch.arange(len(ids))
             print(f"warm start from {init}: its draft vocabulary covers "
                   f"{coverage_of(data, ids):.1%} of these answer tokens", flush=True)
+        if args.layers > drafter.config.num_layers:  # more capacity, the same function to start from
+            drafter = grow_drafter(drafter, args.layers, hf, embed, lm_head, args.seed)
+            print(f"grew the drafter to {args.layers} layers (added layers start as the identity)", flush=True)
     else:
         drafter = init_drafter(hf, embed, lm_head, seed=args.seed, num_layers=args.layers,
                                draft_ids=ids if len(ids) < hf.vocab_size else None,
