@@ -206,7 +206,7 @@ class AdaptivePolicy(Policy):
         nothing will join): 1 for the rows with the most tokens left (the batch's *tail*: the batch
         ends when they do), ``closed_weight`` for rows ahead of them. A token of a row ahead only
         brings its exit forward, which saves what that row adds to each later step (on SmolLM2
-        here ~3 ms of an 8-row step of ~55 ms, a third of a row's share of it), not a step of the
+        here ~3 ms of an 8-row step of ~55 ms, under half of a row's ~7 ms share), not a step of the
         batch; so drafting for rows ahead (above all copying long suffix drafts, which widen the
         whole step) is worth a fraction of what it is worth where a waiting or arriving request
         would take the freed slot. Measured without it (stop 38, 8 equal-length requests): the
