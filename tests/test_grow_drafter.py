@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.drafter import load_drafter
+from workers.drafter import DrafterPairingError, load_drafter
 from workers.training.feature_drafter import grow_drafter, target_parts
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
@@ -45,3 +45,15 @@ def test_a_grown_drafter_starts_as_the_drafter_it_grew_from():
     assert big.layers[n].o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="only add layers"):
         grow_drafter(small, n, hf, embed, lm_head)
+
+
+def test_growing_compares_the_embedding_signature_within_the_pairing_tolerance():
+    """A signature off by rounding (another dtype's target parts) grows; one off by far is refused."""
+    hf, embed, lm_head = target_parts(DEMO / "target")
+    small = load_drafter(DEMO / "drafter", hf).bind(embed, lm_head)
+    n = small.config.num_layers
+    small.config.embed_signature = [x * (1 + 1e-4) for x in small.config.embed_signature]
+    assert grow_drafter(small, n + 1, hf, embed, lm_head).config.num_layers == n + 1
+    small.config.embed_signature = [x * 1.5 for x in small.config.embed_signature]
+    with pytest.raises(DrafterPairingError, match="embed_signature"):
+        grow_drafter(small, n + 1, hf, embed, lm_head)

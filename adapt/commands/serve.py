@@ -79,9 +79,9 @@ def default_policy(policy: str | None, policy_file: str | None, shipped: Path | 
 
 def serve_compile(choice: str) -> str:
     """The workers' `compile` setting: `auto` is eager for serving. A worker compiles its decode
-    steps before it serves (torch's on-disk caches do not hold frozen programs), which takes
-    minutes on 2 cores (SmolLM2: more than ten), against a gain that does not pay for it on
-    SmolLM2 (docs/serving.md, "Start-up")."""
+    steps before it serves (torch's on-disk caches do not hold its frozen programs:
+    docs/engine.md), which takes minutes on 2 cores (SmolLM2: more than ten), against a gain that
+    does not pay for it on SmolLM2 (docs/serving.md, "Start-up")."""
     return "off" if choice == "auto" else choice
 
 

@@ -161,8 +161,12 @@ def grow_drafter(drafter, num_layers: int, hf, embed, lm_head, seed: int = 0):
                        draft_ids=drafter.draft_ids if cfg.draft_vocab_size else None, block_size=cfg.block_size,
                        target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.intermediate_size,
                        num_heads=cfg.num_heads)
-    if dataclasses.replace(big.config, num_layers=cfg.num_layers) != cfg:
+    # the embedding signature is measured afresh from the target parts given here (a target
+    # loaded in another dtype rounds it differently): compared within the pairing tolerance
+    # (`BlockDiffusionDrafter.bind`), the rest of the config exactly
+    if dataclasses.replace(big.config, num_layers=cfg.num_layers, embed_signature=cfg.embed_signature) != cfg:
         raise ValueError("grow_drafter: the grown drafter's config differs in more than its layer count")
+    drafter.bind(embed, lm_head)  # raises DrafterPairingError where the target's embeddings are not the drafter's
     added = tuple(f"layers.{i}." for i in range(cfg.num_layers, num_layers))
     missing, unexpected = big.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or not all(k.startswith(added) for k in missing):
