@@ -102,11 +102,14 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 span_headroom: int | None = 2, closed_weight: float = 0.3, **kwargs):
+                 span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= closed_weight <= 1.0:
             raise ValueError(f"closed_weight: must be in [0, 1], got {closed_weight!r}")
         self.closed_weight = float(closed_weight)
+        if closed_model not in ("weight", "time"):
+            raise ValueError(f"closed_model: must be 'weight' or 'time', got {closed_model!r}")
+        self.closed_model = closed_model
         if span_headroom is not None and (not isinstance(span_headroom, int) or span_headroom < 0):
             raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
         self.span_headroom = span_headroom
@@ -185,21 +188,72 @@ class AdaptivePolicy(Policy):
         self.book.wall_clock = value == "wall"
 
     def weights(self, ctx) -> torch.Tensor:
-        """[B] row weight: 1, more for higher priority, up to 1 + 2·sla_weight when far behind target,
-        times the row's tail weight in a closed batch (`_tail`) (computed once per step and kept in
-        ``ctx``)."""
+        """[B] what a row's *extra* tokens (drafted tokens it wins beyond the one every step
+        emits) are worth: 1, more for higher priority, up to 1 + 2·sla_weight when far behind
+        target, times the row's tail weight in a closed batch (`_tail`) (computed once per step
+        and kept in ``ctx``)."""
         if "w" not in ctx:
-            behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
-            ctx["w"] = (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
+            ctx["w"] = self._urgency(ctx)
             if "tail" in ctx:
                 ctx["w"] = ctx["w"] * ctx["tail"]
         return ctx["w"]
 
+    def base_weights(self, ctx) -> torch.Tensor:
+        """[B] what the one token a row emits in every step is worth: `weights`, except in a
+        closed batch under ``closed_model = "time"``, where a plain step's tokens are worth the
+        whole step (`_closed_time`)."""
+        if "tail_base" not in ctx:
+            return self.weights(ctx)
+        if "w_base" not in ctx:
+            ctx["w_base"] = self._urgency(ctx) * ctx["tail_base"]
+        return ctx["w_base"]
+
+    def _urgency(self, ctx) -> torch.Tensor:
+        """[B] 1, more for higher priority, up to 1 + 2·sla_weight when far behind target."""
+        behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
+        return (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
+
     def _ctx(self, rows, device) -> dict:
         ctx = super()._ctx(rows, device)
         if "tail" not in ctx and getattr(rows, "closed", False):
-            ctx["tail"] = self._tail(rows).to(ctx["lateness"].device)
+            if self.closed_model == "time" and len(rows.request_ids) > 1:
+                ctx["tail"], ctx["tail_base"] = (t.to(ctx["lateness"].device) for t in self._closed_time(rows))
+            else:
+                ctx["tail"] = self._tail(rows).to(ctx["lateness"].device)
         return ctx
+
+    def _closed_time(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B] extra-token weights, [B] base weights) of a **closed batch** valued by the time its
+        tokens save (``closed_model = "time"``). With the cost model's plain step of ``B`` rows
+        ``T_B = T0 + B·δ`` (``δ`` what one more row adds, ``T0`` the rest; ``T_B`` measured
+        (`plain_ms`), ``T_1`` the cost model's with its residual), the batch's time is
+        ``T0`` per step until its last row exits plus ``δ`` per step for each row still running.
+        So a row's extra token saves ``δ`` (its own share of a later step), and the extra token of
+        the batch's *unique* last row (the most tokens left, ahead of the next row by ``gap``)
+        also saves ``T0`` (a whole later step), counted in full for ``gap`` >= 2 and in part
+        below; a plain step is worth its whole ``T_B``. In units of an open batch's token
+        (``T_B / B``): every row's base weight is 1 (the batch's plain step is worth ``B``, as in
+        an open batch), a row's extra tokens weigh ``B·δ / T_B`` (on SmolLM2 here at 8 rows ~0.5:
+        half what they are worth where a freed slot is refilled) and the unique last row's
+        ``B·(δ + T0·min(1, gap / 2)) / T_B`` (up to ~4). Rows level at the end (several with the
+        most left) end together, so none of them alone shortens the batch: their extra tokens
+        weigh ``B·δ / T_B`` like the others'."""
+        B = len(rows.request_ids)
+        # a plain step of B rows as measured (the tables are indexed by positions and miss what
+        # grows with rows and context: attention), of one row as the table and its residual say
+        T_B = self.plain_ms if self.plain_ms is not None and self._batch == B else self.cost.step_ms_at(float(B))
+        T_B = max(float(T_B), 1e-3)
+        T_1 = float(self.cost.step_ms_at(1.0)) + self.step_residual.get(("plain", 1), 0.0)
+        delta = min(max((T_B - T_1) / (B - 1), 0.0), T_B / B)
+        T0 = T_B - B * delta
+        left = rows.remaining.float().cpu()                                                  # [B]
+        top = left.max()
+        last = left >= top                                                                   # [B] rows with the most left
+        extra = torch.full((B,), B * delta / T_B)
+        if int(last.sum()) == 1:
+            gap = float(top - left[~last].max())
+            extra = torch.where(last, B * (delta + T0 * min(1.0, gap / 2.0)) / T_B, extra)
+        return extra, torch.ones(B)
 
     def _tail(self, rows) -> torch.Tensor:
         """[B] what a row's tokens are worth in a **closed batch** (`RowState.closed`: nothing waits,
@@ -379,7 +433,7 @@ class AdaptivePolicy(Policy):
         if not bool(diffusing.any()):  # the plan drafts nothing: taking a suffix draft takes the drafting path
             fixed = torch.where(take.any(0), self.draft_overhead_at(B), 0.0)
         ms = ms + fixed
-        planned = float((w * (1.0 + plan_extra)).sum())
+        planned = float((self.base_weights(ctx).cpu() + w * plan_extra).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
             got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
@@ -529,7 +583,8 @@ class AdaptivePolicy(Policy):
         dev = rows.temperature.device
         self._price_span(K)
         pred = self._predictor_on(dev)
-        w = self.weights(ctx)                                                         # [B]
+        w = self.weights(ctx)                                                         # [B] extra tokens' worth
+        w_base = self.base_weights(ctx)                                               # [B] the step's own token's
         temp = rows.temperature.to(dev)
         recent = self._recent(rows, ctx["idle"], pred).to(dev)                        # [B]
         grid = torch.tensor(self.steps_grid, device=dev)                              # [S]
@@ -540,11 +595,11 @@ class AdaptivePolicy(Policy):
         eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
         surv = pred.prior_survival(grid, K, temp, recent, match, eps)                   # [B, S, K]
         keep = w[:, None, None] * surv >= self.threshold.to(dev)                       # planned prefix
-        gain = w[:, None] * (1.0 + (surv * keep).sum(-1))                             # [B, S]
+        gain = w_base[:, None] + w[:, None] * (surv * keep).sum(-1)                   # [B, S]
         toks = 1.0 + keep.sum(-1).float()                                             # [B, S]
         # level by level (s = 0 -> s_1 -> s_2 ...): admit the rows that gain most while Θ_w rises
         if self.allow_no_draft:
-            cur_gain, cur_tok, prev_s, first = w.clone(), torch.ones(B, device=dev), 0, 0
+            cur_gain, cur_tok, prev_s, first = w_base.clone(), torch.ones(B, device=dev), 0, 0
             level = torch.full((B,), -1, dtype=torch.int64, device=dev)
             fixed_draft = 0.0
         else:
@@ -581,7 +636,7 @@ class AdaptivePolicy(Policy):
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
         steps = torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
-        extra = torch.where(level >= 0, (cur_gain - w) / w, torch.zeros_like(w))
+        extra = torch.where(level >= 0, (cur_gain - w_base) / w, torch.zeros_like(w))
         return steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu()
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
@@ -615,6 +670,7 @@ class AdaptivePolicy(Policy):
             return make_verify_decision(k, rule, param, rows)
         pred = self._predictor_on(dev)
         w = self.weights(ctx).to(dev)
+        base = self.base_weights(ctx).to(dev).sum()                                   # the tokens every row emits
         temp = rows.temperature.to(dev)
         drafted = draft.steps > 0
         eps = lenient_eps(ctx["eps"], ctx["budget_left"], torch.full((B,), K, device=dev), draft.steps,
@@ -632,11 +688,11 @@ class AdaptivePolicy(Policy):
             lam = self.threshold.to(dev)
             k_sens = torch.where(sensitive, (values >= lam).sum(1), torch.zeros(B, dtype=torch.int64, device=dev))
             sens_gain = (values * (values >= lam) * sensitive[:, None]).sum()
-            k_greedy, theta = greedy_prefix(values * (~sensitive)[:, None], w.sum() + sens_gain, B + k_sens.sum(),
+            k_greedy, theta = greedy_prefix(values * (~sensitive)[:, None], base + sens_gain, B + k_sens.sum(),
                                             cost_fn, "argmax")
             k = torch.where(sensitive, k_sens, k_greedy).to(torch.int64)
         else:
-            k, theta = greedy_prefix(values, w.sum(), B, cost_fn, "argmax")
+            k, theta = greedy_prefix(values, base, B, cost_fn, "argmax")
         # λ for the next step: Θ_w at the optimum times the marginal ms of one more verified token
         tokens = float(B + k.sum())
         dms = (self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens)) / 8.0

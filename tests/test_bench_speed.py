@@ -124,9 +124,16 @@ def test_adapt_rows_report_the_mean_request_latency(report):
     assert "mean request s" in (out / "speed.md").read_text()
 
 
+VARIANT = "adapt-policy@closed_model=weight+hold_max=0"  # the adaptive policy with two of its settings changed
+
+
 def test_bad_rows_are_named():
     with pytest.raises(SystemExit, match="--rows"):
         main(["bench", "speed", "--rows", "adapt,sglang"])
+    for bad, named in (("adapt-policy@no_such=1", "no_such"), ("adapt-policy@closed_model=tail", "closed_model"),
+                       ("adapt-policy@hold_max", "KEY=VALUE")):
+        with pytest.raises(SystemExit, match=named):
+            main(["bench", "speed", "--rows", f"adapt-ar,{bad}"])
     for bad in ("adapt-k0", "adapt-k2-s0", "adapt-kx"):
         with pytest.raises(SystemExit, match="--rows"):
             main(["bench", "speed", "--rows", bad])
@@ -169,7 +176,7 @@ def test_interleaved_refill_rows_take_turns_and_agree(tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
                  "--batch-sizes", "2", "--num-prompts", "5", "--max-tokens", "6", "--prompt-len", "16",
-                 "--rounds", "2", "--threads", "1", "--rows", "adapt-ar,adapt-policy,adapt-k2,hf",
+                 "--rounds", "2", "--threads", "1", "--rows", f"adapt-ar,adapt-policy,adapt-k2,hf,{VARIANT}",
                  "--interleave", "--refill", "--length-spread", "0.5", "--no-profile", "--out", str(out)]) == 0
     rep = json.loads((out / "speed.json").read_text())
     assert rep["config"]["interleave"] and rep["config"]["refill"] and rep["config"]["length_spread"] == 0.5
@@ -180,10 +187,11 @@ def test_interleaved_refill_rows_take_turns_and_agree(tmp_path):
 
     lengths = [spread_length(6, 0.5, i) for i in range(5)]  # 3..9 tokens, mean 6
     assert len(set(lengths)) > 2 and min(lengths) >= 3 and max(lengths) <= 9
-    for row in ("adapt-ar", "adapt-policy", "adapt-k2"):
+    for row in ("adapt-ar", "adapt-policy", "adapt-k2", VARIANT):
         assert by[row]["tokens"] == sum(lengths) and len(by[row]["tokens_per_s_samples"]) == 2
+    assert by[VARIANT]["label"] == "adapt, adaptive policy (closed_model=weight, hold_max=0)"
     paired = rep["ratios"]["paired"]
-    assert set(paired) == {"adapt-policy/adapt-ar", "adapt-k2/adapt-ar"}
+    assert set(paired) == {"adapt-policy/adapt-ar", "adapt-k2/adapt-ar", f"{VARIANT}/adapt-ar"}
     assert len(paired["adapt-k2/adapt-ar"]["2"]["rounds"]) == 2
     assert "step by step" in (out / "speed.md").read_text()
 
@@ -207,3 +215,16 @@ def test_interleaved_refill_rows_take_turns_and_agree(tmp_path):
     for r in runners:
         assert 0 < runs[r.name].seconds <= clocks[r.name]() < runs[r.name].seconds + 1e-3
         assert r.engine.clock is not clocks[r.name]  # the engine's own clock is back
+
+
+def test_policy_variant_rows_set_the_policy(tmp_path):
+    from adapt.bench.speed import policy_variant
+    from adapt.bench.speed_runners import AdaptRunner
+
+    assert policy_variant(VARIANT) == {"closed_model": "weight", "hold_max": 0}
+    assert policy_variant("adapt-policy") is None and policy_variant("adapt-k2") is None
+    target, drafter = make_tiny_pair(tmp_path)
+    runner = AdaptRunner("v", "v", target, drafter, "float32", 2, 64, policy="adaptive", settings=policy_variant(VARIANT))
+    runner.start()
+    assert runner.decisions.closed_model == "weight" and runner.decisions.hold_max == 0
+    runner.close()

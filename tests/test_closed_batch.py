@@ -1,6 +1,7 @@
 """Closed batches: the engine tells its decision maker when no request waits and none will join
-(`Engine.closed`, `RowState.closed`), and the adaptive policy then values the tokens of rows
-ahead of the batch's tail at `closed_weight` (`AdaptivePolicy._tail`)."""
+(`Engine.closed`, `RowState.closed`), and the adaptive policy then values tokens by the step time
+they save (`closed_model = "time"`, `AdaptivePolicy._closed_time`), or the tokens of rows ahead
+of the batch's tail at `closed_weight` (`"weight"`, `AdaptivePolicy._tail`)."""
 
 from __future__ import annotations
 
@@ -37,21 +38,21 @@ def policy(**settings) -> AdaptivePolicy:
 
 
 def test_a_closed_batch_drafts_for_its_tail_and_not_for_rows_ahead():
-    """Row 0 has 50 tokens left, row 1 is 20 ahead. Open (a freed slot would be taken), both
+    """``closed_model = "weight"``. Row 0 has 50 tokens left, row 1 is 20 ahead. Open (a freed slot would be taken), both
     copy; closed, the row ahead does not (its copy would only bring its exit forward) and the
     tail row still does; with ``closed_weight`` 1 a closed batch is decided as an open one."""
-    open_steps = policy().choose_steps(copy_rows([50, 30], closed=False))
+    open_steps = policy(closed_model="weight").choose_steps(copy_rows([50, 30], closed=False))
     assert open_steps.tolist() == [SUFFIX, SUFFIX]
-    p = policy()
+    p = policy(closed_model="weight")
     assert p.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
     assert p.weights(p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))).tolist() == pytest.approx([1.0, 0.3])
-    assert policy(closed_weight=1.0).choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    assert policy(closed_model="weight", closed_weight=1.0).choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
     # rows level with each other are all the tail: decided as in an open batch
-    assert policy().choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
 
 
 def test_tail_weights_and_setting_checks():
-    p = policy(closed_weight=0.5)
+    p = policy(closed_model="weight", closed_weight=0.5)
     rows = copy_rows([7, 9, 9, 3], closed=True)
     assert p._tail(rows).tolist() == [0.5, 1.0, 1.0, 0.5]
     assert p._tail(copy_rows([4], closed=True)).tolist() == [1.0]  # one row is always the tail
@@ -74,3 +75,30 @@ def test_the_engine_reports_a_closed_batch_only_when_nothing_waits(tmp_path):
     while engine.waiting:
         engine.step()
     assert engine._row_state().closed  # nothing waits and the caller promised nothing joins
+
+
+def test_the_time_model_values_tokens_by_the_step_time_they_save():
+    """``closed_model = "time"``: with the test cost (a plain step of B rows 10 + 4·B ms: δ = 4 ms
+    per row, T0 = 10 ms), a row's extra token saves δ, the unique last row's also saves T0.
+    Two rows level at the end (neither alone shortens the batch) do not copy, where the weight
+    model copies for both; the unique last row copies and the row ahead does not; an open batch
+    is decided as before."""
+    p = policy(closed_model="time")
+    extra, base = p._closed_time(copy_rows([50, 30], closed=True))
+    T_B = 18.0
+    assert extra.tolist() == pytest.approx([2 * (4 + 10) / T_B, 2 * 4 / T_B]) and base.tolist() == [1.0, 1.0]
+    extra, _ = p._closed_time(copy_rows([31, 30], closed=True))  # ahead by one token: half the step's share
+    assert extra.tolist() == pytest.approx([2 * (4 + 5) / T_B, 2 * 4 / T_B])
+    assert p._closed_time(copy_rows([40, 40], closed=True))[0].tolist() == pytest.approx([8 / T_B, 8 / T_B])
+    assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    assert policy(closed_model="time").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [0, 0]
+    assert policy(closed_model="time").choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
+    assert policy(closed_model="time").choose_steps(copy_rows([40, 40], closed=False)).tolist() == [SUFFIX, SUFFIX]
+    ctx = p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))
+    assert p.base_weights(ctx).tolist() == [1.0, 1.0] and p.weights(ctx).tolist() == pytest.approx(extra_of([50, 30]))
+    with pytest.raises(ValueError, match="closed_model"):
+        AdaptivePolicy(closed_model="tail")
+
+
+def extra_of(remaining: list[int]) -> list[float]:
+    return policy(closed_model="time")._closed_time(copy_rows(remaining, closed=True))[0].tolist()

@@ -22,6 +22,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |
 | `adapt-kN`, `adapt-kN-sS` | our `Engine`, static diffusion drafts of N tokens with S denoising steps (default 1) for every request |
+| `adapt-policy@KEY=VALUE[+KEY=VALUE]` | `adapt-policy` with these settings of the adaptive policy (docs/policies.md; values are JSON, or plain strings), e.g. `adapt-policy@closed_model=weight`: A/B a setting side by side with the default (`--interleave`) |
 | `hf` | transformers `generate`, greedy |
 | `hf-lookup` | transformers prompt-lookup decoding (`prompt_lookup_num_tokens=8`) |
 | `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
@@ -144,16 +145,46 @@ def static_row(name: str) -> tuple[int, int] | None:
     return None if m is None else (int(m.group(1)), int(m.group(2) or 1))
 
 
+def policy_variant(name: str) -> dict | None:
+    """The adaptive policy's settings of an `adapt-policy@KEY=VALUE[+KEY=VALUE]` row name (values
+    JSON, else plain strings), else None. Raises ValueError for a malformed item."""
+    head, at, body = name.partition("@")
+    if head != "adapt-policy" or not at:
+        return None
+    settings = {}
+    for item in body.split("+"):
+        key, eq, value = item.partition("=")
+        if not key.strip() or not eq:
+            raise ValueError(f"{name}: expected adapt-policy@KEY=VALUE[+KEY=VALUE], got item {item!r}")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key.strip()] = value.strip()
+    return settings
+
+
 def row_label(name: str) -> str:
+    if (settings := policy_variant(name)) is not None:
+        return ROWS["adapt-policy"] + " (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
     k_s = static_row(name)
     return ROWS[name] if k_s is None else f"adapt, static K={k_s[0]} s={k_s[1]}"
 
 
 def parse_rows(text: str) -> list[str]:
+    import policies
+
     rows = [r.strip() for r in text.split(",") if r.strip()]
-    bad = [r for r in rows if r not in ROWS and static_row(r) is None]
+    bad = [r for r in rows if r not in ROWS and static_row(r) is None and not r.startswith("adapt-policy@")]
     if bad or not rows:
-        raise SystemExit(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}, adapt-kN, adapt-kN-sS")
+        raise SystemExit(f"--rows: unknown row(s) {bad}; choose from {', '.join(ROWS)}, adapt-kN, adapt-kN-sS, "
+                         "adapt-policy@KEY=VALUE[+KEY=VALUE]")
+    for r in rows:
+        try:
+            settings = policy_variant(r)
+            if settings is not None:
+                policies.get("adaptive", **settings)  # names a bad setting or value now, not after loading
+        except (ValueError, TypeError) as err:
+            raise SystemExit(f"--rows: {err}") from None
     return list(dict.fromkeys(rows))
 
 
@@ -239,7 +270,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
     runners, skipped = {}, {}
     target = args.target.resolve()
     drafter = None if args.drafter is None else args.drafter.resolve()
-    for row in ["adapt", "adapt-policy"] + [r for r in rows if static_row(r)]:
+    for row in ["adapt", "adapt-policy"] + [r for r in rows if static_row(r) or policy_variant(r) is not None]:
         if row in rows and (drafter is None or not (drafter / "config.json").is_file()):
             skipped[row] = f"no drafter at {drafter}" if drafter is not None else f"the {args.pair} pair has no drafter"
     for row in ("adapt-ar", "adapt-ar-eager"):
@@ -263,8 +294,9 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k_s[0], steps=k_s[1])
         elif row == "adapt":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine)
-        elif row == "adapt-policy":
-            runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive")
+        elif row == "adapt-policy" or (settings := policy_variant(row)) is not None:
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive",
+                                       settings=None if row == "adapt-policy" else settings)
         elif row == "adapt-ar":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=0)
         elif row == "adapt-ar-eager":
@@ -429,7 +461,7 @@ def run(args) -> int:
     profiles = {}
     if not args.no_profile:
         for name in runners:
-            if name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target") or static_row(name):
+            if name in ("adapt", "adapt-policy", "adapt-ar", "adapt-target") or static_row(name) or policy_variant(name):
                 for b in batch_sizes:
                     profiles[(name, b)] = runners[name].generate(prompts_at(b), b, max_tokens, profile=True,
                                                                  refill=args.refill,

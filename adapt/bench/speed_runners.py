@@ -196,7 +196,8 @@ class AdaptRunner:
     setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
     are kept in `warm_up`).
 
-    `device`: the engine's device (None: `EngineConfig`'s default).
+    `device`: the engine's device (None: `EngineConfig`'s default). `settings`: the policy's
+    settings over the policy file's (with `policy`; `adapt bench speed`'s `adapt-policy@...` rows).
     `engines`: a dict shared by the runners of one run. Runners with the same drafter and compile
     setting then share one loaded `Engine` (knobs are per request; each runner sets its own
     decision maker before it decodes), so a run with several static rows loads and compiles the
@@ -205,8 +206,9 @@ class AdaptRunner:
     def __init__(self, name: str, label: str, target: Path, drafter: Path | None, dtype: str,
                  max_batch: int, max_len: int, draft_len: int | None = None, policy: str | None = None,
                  compile: str = "off", source: str = "diffusion", steps: int = 1, engines: dict | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, settings: dict | None = None):
         self.name, self.label, self.policy, self.compile, self.source = name, label, policy, compile, source
+        self.settings = dict(settings or {})
         self.steps, self.engines, self.decisions, self.device = steps, engines, None, device
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.warm_up: dict = {}
@@ -237,7 +239,7 @@ class AdaptRunner:
 
             shipped = None if self.drafter is None else Path(self.drafter).parent / "policy.json"
             policy_file = shipped if shipped is not None and shipped.is_file() else None
-            self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine))
+            self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine), **self.settings)
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
                  refill: bool = False, length_spread: float = 0.0) -> Run:
