@@ -190,8 +190,8 @@ class AdaptivePolicy(Policy):
     def weights(self, ctx) -> torch.Tensor:
         """[B] what a row's *extra* tokens (drafted tokens it wins beyond the one every step
         emits) are worth: 1, more for higher priority, up to 1 + 2·sla_weight when far behind
-        target, times the row's tail weight in a closed batch (`_tail`) (computed once per step
-        and kept in ``ctx``)."""
+        target, times the row's weight in a closed batch (`_closed_time`, or `_tail` under
+        ``closed_model = "weight"``) (computed once per step and kept in ``ctx``)."""
         if "w" not in ctx:
             ctx["w"] = self._urgency(ctx)
             if "tail" in ctx:
@@ -233,9 +233,9 @@ class AdaptivePolicy(Policy):
         also saves ``T0`` (a whole later step), counted in full for ``gap`` >= 2 and in part
         below; a plain step is worth its whole ``T_B``. In units of an open batch's token
         (``T_B / B``): every row's base weight is 1 (the batch's plain step is worth ``B``, as in
-        an open batch), a row's extra tokens weigh ``B·δ / T_B`` (on SmolLM2 here at 8 rows ~0.5:
-        half what they are worth where a freed slot is refilled) and the unique last row's
-        ``B·(δ + T0·min(1, gap / 2)) / T_B`` (up to ~4). Rows level at the end (several with the
+        an open batch), a row's extra tokens weigh ``B·δ / T_B`` (on SmolLM2 here at 8 rows
+        ~0.4–0.5: half what they are worth where a freed slot is refilled) and the unique last
+        row's ``B·(δ + T0·min(1, gap / 2)) / T_B`` (up to ~5). Rows level at the end (several with the
         most left) end together, so none of them alone shortens the batch: their extra tokens
         weigh ``B·δ / T_B`` like the others'."""
         B = len(rows.request_ids)
@@ -636,7 +636,8 @@ class AdaptivePolicy(Policy):
             fixed_draft = fixed_draft + (s - prev_s) * self.cost.draft_ms_at([n_star])
             prev_s = s
         steps = torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
-        extra = torch.where(level >= 0, (cur_gain - w_base) / w, torch.zeros_like(w))
+        # (a closed batch may weigh a row's extra tokens at 0: then it has none planned)
+        extra = torch.where(level >= 0, (cur_gain - w_base) / w.clamp_min(1e-9), torch.zeros_like(w))
         return steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu()
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
