@@ -100,5 +100,18 @@ def test_the_time_model_values_tokens_by_the_step_time_they_save():
         AdaptivePolicy(closed_model="tail")
 
 
+def test_the_time_model_reads_the_measured_plain_step():
+    """The cost tables are indexed by positions and miss what grows with rows (attention over
+    each row's context): ``T_B`` is the measured plain step of the latest B-row steps
+    (`plain_ms`), ``T_1`` the table's one-row step plus its measured residual."""
+    p = policy(closed_model="time")
+    p.plain_ms, p._batch = 30.0, 2
+    p.step_residual[("plain", 1)] = 2.0  # T_1 = 14 + 2 ms: δ = 30 − 16 = 14 ms, T0 = 30 − 2·14 = 2 ms
+    extra, base = p._closed_time(copy_rows([50, 30], closed=True))
+    assert extra.tolist() == pytest.approx([2 * (14 + 2) / 30, 2 * 14 / 30]) and base.tolist() == [1.0, 1.0]
+    p._batch = 3  # the latest step had another batch size: back to the tables (T_2 = 18 ms)
+    assert p._closed_time(copy_rows([50, 30], closed=True))[0].tolist() == pytest.approx([2 * (2 + 14) / 18, 2 * 2 / 18])
+
+
 def extra_of(remaining: list[int]) -> list[float]:
     return policy(closed_model="time")._closed_time(copy_rows(remaining, closed=True))[0].tolist()
