@@ -209,9 +209,13 @@ class AdaptivePolicy(Policy):
         return ctx["w_base"]
 
     def _urgency(self, ctx) -> torch.Tensor:
-        """[B] 1, more for higher priority, up to 1 + 2·sla_weight when far behind target."""
-        behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
-        return (1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1) * (1.0 + self.sla_weight * behind)
+        """[B] 1, more for higher priority, up to 1 + 2·sla_weight when far behind target (kept in
+        ``ctx``: `weights` and `base_weights` both read it)."""
+        if "urgency" not in ctx:
+            behind = (ctx["lateness"] - self.sla_slack).clamp(0.0, 2.0)
+            ctx["urgency"] = ((1.0 + self.priority_weight * ctx["priority"]).clamp_min(0.1)
+                              * (1.0 + self.sla_weight * behind))
+        return ctx["urgency"]
 
     def _ctx(self, rows, device) -> dict:
         ctx = super()._ctx(rows, device)
@@ -248,7 +252,7 @@ class AdaptivePolicy(Policy):
         T0 = T_B - B * delta
         left = rows.remaining.float().cpu()                                                  # [B]
         top = left.max()
-        last = left >= top                                                                   # [B] rows with the most left
+        last = left >= top                                                              # [B] the most left
         extra = torch.full((B,), B * delta / T_B)
         if int(last.sum()) == 1:
             gap = float(top - left[~last].max())

@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     warm_s = time.time() - t0
 
     def tokens_per_s(n: int) -> float:
-        engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=n, ignore_eos=True), DecodeKnobs(draft_len=0))
+        engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=n, ignore_eos=True),
+                           DecodeKnobs(draft_len=0))
         t = time.perf_counter()
         while engine.has_unfinished():
             engine.step()

@@ -224,7 +224,8 @@ def test_policy_variant_rows_set_the_policy(tmp_path):
     assert policy_variant(VARIANT) == {"closed_model": "weight", "hold_max": 0}
     assert policy_variant("adapt-policy") is None and policy_variant("adapt-k2") is None
     target, drafter = make_tiny_pair(tmp_path)
-    runner = AdaptRunner("v", "v", target, drafter, "float32", 2, 64, policy="adaptive", settings=policy_variant(VARIANT))
+    runner = AdaptRunner("v", "v", target, drafter, "float32", 2, 64, policy="adaptive",
+                         settings=policy_variant(VARIANT))
     runner.start()
     assert runner.decisions.closed_model == "weight" and runner.decisions.hold_max == 0
     runner.close()

@@ -46,7 +46,8 @@ def test_a_closed_batch_drafts_for_its_tail_and_not_for_rows_ahead():
     p = policy(closed_model="weight")
     assert p.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
     assert p.weights(p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))).tolist() == pytest.approx([1.0, 0.3])
-    assert policy(closed_model="weight", closed_weight=1.0).choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    off = policy(closed_model="weight", closed_weight=1.0)
+    assert off.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
     # rows level with each other are all the tail: decided as in an open batch
     assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
 

@@ -294,9 +294,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=k_s[0], steps=k_s[1])
         elif row == "adapt":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine)
-        elif row == "adapt-policy" or (settings := policy_variant(row)) is not None:
-            runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive",
-                                       settings=None if row == "adapt-policy" else settings)
+        elif (settings := policy_variant(row)) is not None or row == "adapt-policy":  # settings None: the file's
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, policy="adaptive", settings=settings)
         elif row == "adapt-ar":
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=0)
         elif row == "adapt-ar-eager":
