@@ -11,6 +11,7 @@ from adapt.commands import optional_module
 COMMANDS = {
     "generate": "generate",
     "pull": "pull",
+    "compile": "compile",
     "train-drafter": "train_drafter",
     "serve": "serve",
     "policy": "policy",

@@ -1,4 +1,4 @@
-"""`adapt serve` starts serving fast on its defaults (eager steps: docs/serving.md, "Start-up"),
+"""`adapt serve` starts serving fast on its defaults (a built package or eager steps: docs/serving.md, "Start-up"),
 and chat requests are rendered with the target's template and stop at its end-of-turn token."""
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from tests.tiny_models import single_thread
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
-def test_serve_auto_means_eager():
+def test_serve_auto_means_a_built_package_or_eager():
     from adapt.commands.serve import serve_compile
 
-    assert [serve_compile(c) for c in ("auto", "on", "off")] == ["off", "on", "off"]
+    assert serve_compile("auto") == {"compile": "aot", "aot_build": False}  # never compiles before serving
+    assert [serve_compile(c) for c in ("on", "off", "aot")] == [{"compile": c} for c in ("on", "off", "aot")]
 
 
 def test_adapt_serve_demo_pair_is_healthy_within_60_s(tmp_path):

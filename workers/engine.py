@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -79,7 +80,12 @@ class EngineConfig:
     layer (`WIDE_ROWS` = 10 was the constant before);
     compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode
     forwards and the drafter's denoising pass as compiled programs (workers/compiled.py; call
-    `warm_up()` before serving, or the first steps of each kind compile on the spot); suffix:
+    `warm_up()` before serving, or the first steps of each kind compile on the spot); or "aot":
+    run the target's decode forwards from an ahead-of-time compiled package in the cache
+    directory (workers/aot.py: loaded in about a second; `Engine.aot_info` says which);
+    aot_build: with "aot", build the package when it is missing (minutes, once per machine and
+    engine shape), else decode eagerly when it is missing (what `adapt serve` and `adapt generate`
+    do by default, so that `adapt compile` once makes them faster); suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
     (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
@@ -105,6 +111,7 @@ class EngineConfig:
     wide_fp32: bool = True
     wide_rows: int | Literal["auto"] = "auto"
     compile: bool | str = False
+    aot_build: bool = True
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
     pack: bool | str = "auto"
@@ -125,6 +132,8 @@ class Engine:
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.compiled = resolve_compile(config.compile, self.device)
+        self.aot = config.compile == "aot"  # the decode forward from a compiled package (workers/aot.py)
+        self.aot_info: dict = {}  # its path, key and build / load seconds (empty: no package)
         if config.admission not in ADMISSION_MODES:
             raise EngineInputError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {config.admission!r}")
         if not config.admission_max_wait_ms >= 0:
@@ -137,7 +146,7 @@ class Engine:
         if config.pack not in (True, False, "auto", "on", "off"):
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
         self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
-                                                     and not self.compiled)
+                                                     and not self.compiled and not self.aot)
         auto_wide = config.wide_rows == "auto"
         if not auto_wide and not (isinstance(config.wide_rows, int) and not isinstance(config.wide_rows, bool)
                                   and config.wide_rows >= 1):
@@ -183,6 +192,8 @@ class Engine:
         self.target_forward = functools.partial(self.target, capture=self.capture)
         if self.compiled:
             self.target_forward = CompiledTarget(self.target, self.capture)
+        elif self.aot:  # decode calls up to the widest verify (anchor + drafts) run the package
+            self._load_aot(config.aot_build)
         self.drafting = None  # the drafter context cache and the denoising loop (workers/drafting.py)
         if self.drafter is not None:
             # draft_pass(tokens, masked, ctx_kv, mask, cos, sin): one denoising pass (`block_logits`);
@@ -214,6 +225,20 @@ class Engine:
         self.closed = False
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
+
+    def _load_aot(self, build: bool) -> None:
+        """The target's decode forward from its compiled package (workers/aot.py), built first when
+        missing if `build`; else, when missing, eager decoding (and a hint how to build it)."""
+        from workers.aot import aot_target
+
+        log = logging.getLogger(__name__)
+        try:
+            self.target_forward, self.aot_info = aot_target(self.target, self.capture, self.tcache, self.width + 1,
+                                                            build=build, log=log.warning)
+        except FileNotFoundError as err:
+            log.info("eager decode steps: %s", err)
+            self.aot = False
+            self.pack = self.config.pack in (True, "on") or (self.config.pack == "auto" and self.device.type == "cpu")
 
     @property
     def dcache(self):

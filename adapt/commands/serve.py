@@ -41,9 +41,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
-                   help="compiled decode steps (workers/compiled.py): auto = off here, so workers serve within "
-                        "seconds (compiling takes minutes per worker before it serves: docs/serving.md, 'Start-up'); "
-                        "on = compile at start")
+                   help="compiled decode steps: auto = the package `adapt compile` built for this model and "
+                        "--max-batch (workers/aot.py; loaded in a second), else eager, so workers serve within "
+                        "seconds; aot = the package, built at start when missing (minutes); on = torch.compile at "
+                        "start in every worker (minutes: docs/serving.md, 'Start-up'); off = eager")
     p.add_argument("--admission", default="all", choices=ADMISSION_MODES,
                    help="which waiting requests a worker prefills (workers/admission.py): all = every one there is "
                         "a slot for; sla = defer one while its prefill would push a running request off its TPOT "
@@ -77,12 +78,14 @@ def default_policy(policy: str | None, policy_file: str | None, shipped: Path | 
     return name, policy_file
 
 
-def serve_compile(choice: str) -> str:
-    """The workers' `compile` setting: `auto` is eager for serving. A worker compiles its decode
-    steps before it serves (torch's on-disk caches do not hold its frozen programs:
-    docs/engine.md), which takes minutes on 2 cores (SmolLM2: more than ten), against a gain that
-    does not pay for it on SmolLM2 (docs/serving.md, "Start-up")."""
-    return "off" if choice == "auto" else choice
+def serve_compile(choice: str) -> dict:
+    """The workers' compile settings for `--compile` (`workers.aot.compile_options`): `auto` is
+    the compiled package when `adapt compile` built one for this model and shape, else eager steps,
+    so a worker never compiles before it serves (torch.compile takes minutes per worker on 2 cores,
+    SmolLM2 more than ten: docs/serving.md, "Start-up")."""
+    from workers.aot import compile_options
+
+    return compile_options(choice)
 
 
 def run(args) -> int:
@@ -123,7 +126,7 @@ def run(args) -> int:
         str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
         redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device, "compile": serve_compile(args.compile), "admission": args.admission,
+                        "device": args.device, **serve_compile(args.compile), "admission": args.admission,
                         "admission_max_wait_ms": args.admission_max_wait_ms},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,

@@ -1,0 +1,130 @@
+"""Ahead-of-time compiled decode packages (workers/aot.py, `compile="aot"`, `adapt compile`).
+
+One package is built per module for a tiny fp32 pair (AOTInductor compiles it: most of this file's
+time), in a temporary cache directory. Greedy decoding through it is token for token the target's
+own (plain transformers), for rows that draft and rows that do not, one row and several, joining
+mid-run; a second engine loads the package without building; an engine of another shape finds no
+package and, told not to build, decodes eagerly; the CLI builds, lists and clears packages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_engine import greedy_reference
+from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
+from workers.aot import AotTarget, compile_options, list_packages, package_dir
+from workers.engine import Engine, EngineConfig
+from workers.request import DecodeKnobs, SamplingParams
+
+MAX_TOKENS = 20
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(target dir, drafter dir, cache dir, an fp32 engine of 3 rows whose package it built)."""
+    cache = tmp_path_factory.mktemp("cache")
+    target, drafter = make_tiny_pair(tmp_path_factory.mktemp("pair"), vocab=16, seed=5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADAPT_CACHE_DIR", str(cache))
+        engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
+                                     compile="aot"))
+    return target, drafter, cache, engine
+
+
+def test_the_engine_builds_its_package_and_decodes_through_it(built):
+    target, drafter, cache, engine = built
+    info = engine.aot_info
+    assert engine.aot and isinstance(engine.target_forward, AotTarget)
+    assert info["built"] and info["build_s"] > 0 and info["key"] in info["path"]
+    assert info["path"].startswith(str(package_dir(cache)))
+    assert not engine.pack  # verification is padded: the program runs it whole
+    [pkg] = list_packages(cache)
+    assert pkg["cache_shape"][0] == 3 and pkg["tmax"] == engine.block + 1 and pkg["capture"] == list(engine.capture)
+
+
+def test_greedy_decoding_through_the_package_is_the_targets_own(built):
+    target, drafter, cache, engine = built
+    prompts = [[5, 3, 7], list(range(2, 12)), [9, 1, 4, 4, 2, 8]]
+    want = greedy_reference(target, prompts, MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=4), DecodeKnobs(steps=1, draft_len=16)]
+    before = dict(engine.target_forward.calls)
+    for i, (p, kn) in enumerate(zip(prompts, knobs)):  # one row at a time
+        got = run_to_completion(engine, [(f"one{i}", p, params, kn)])
+        assert got[f"one{i}"] == want[i], kn
+    # three rows, each with its own knobs, the last joining after 4 steps
+    adds = [(f"many{i}", p, params, kn) for i, (p, kn) in enumerate(zip(prompts, knobs))]
+    got = run_to_completion(engine, adds, join_after={"many2": 4})
+    assert [got[f"many{i}"] for i in range(3)] == want
+    calls = engine.target_forward.calls
+    assert calls["program"] - before["program"] > 3 * MAX_TOKENS // 2  # the decode steps ran the program
+    assert calls["eager"] - before["eager"] <= 6  # prefills
+
+
+def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
+    target, drafter, cache, engine = built
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
+    again = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
+                                **compile_options("auto")))
+    assert again.aot and not again.aot_info["built"] and again.aot_info["path"] == engine.aot_info["path"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = run_to_completion(engine, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
+    b = run_to_completion(again, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
+    assert a["a"] == b["a"]
+
+
+def test_without_a_package_auto_decodes_eagerly_and_builds_nothing(built, monkeypatch):
+    target, drafter, cache, _ = built
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
+    other = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=2, max_len=96,
+                                **compile_options("auto")))  # another shape: its package is not built
+    assert not other.aot and other.aot_info == {} and not isinstance(other.target_forward, AotTarget)
+    assert other.pack  # eager CPU engines pack their verification
+    assert len(list_packages(cache)) == 1
+    out = run_to_completion(other, [("e", [5, 3, 7], SamplingParams(max_tokens=6, ignore_eos=True), DecodeKnobs())])
+    assert len(out["e"]) == 6
+
+
+def test_calls_the_program_cannot_take_run_eagerly(built):
+    """Prefills, packed verification and windows reaching the cache's end are the eager forward's."""
+    _, _, _, engine = built
+    aot = engine.target_forward
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    cache = engine.tcache
+    assert aot.fits(ids, cache, 0, 10, None, None)
+    assert not aot.fits(ids, cache, 0, 10, torch.zeros(1, 1, dtype=torch.long), None)  # a prefill
+    assert not aot.fits(ids, cache, 0, 10, None, torch.arange(2))  # packed
+    assert not aot.fits(ids, cache, 1, 10, None, None)  # another first row
+    assert not aot.fits(ids, cache, 0, aot.length, None, None)  # the window reaches the end
+    assert not aot.fits(torch.zeros(1, aot.tmax + 1, dtype=torch.long), cache, 0, 40, None, None)
+    assert not aot.fits(torch.zeros(4, 1, dtype=torch.long), cache, 0, 10, None, None)  # more rows than built for
+
+
+def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
+    from adapt.cli import main
+
+    target, drafter, cache, engine = built
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
+    assert main(["compile", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
+                 "--max-batch", "3", "--max-len", "96"]) == 0
+    [line] = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(line)  # the module's package, found: nothing is built again
+    assert report["max_batch"] == 3 and not report["built"] and report["path"] == engine.aot_info["path"]
+    assert main(["compile", "--list"]) == 0
+    listed = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["path"] for x in listed] == [engine.aot_info["path"]]
+    assert main(["compile", "--max-batch", "0"]) == 2
+    assert "--max-batch" in capsys.readouterr().err
+    assert main(["compile", "--clear"]) == 0
+    assert "removed 1 package" in capsys.readouterr().out and list_packages(cache) == []
+
+
+def test_compile_options_of_the_clis():
+    assert compile_options("auto") == {"compile": "aot", "aot_build": False}
+    assert compile_options("aot") == {"compile": "aot"} and compile_options("off") == {"compile": "off"}
