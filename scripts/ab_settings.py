@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="one engine per policy, all runs of a round taking turns step by step, each timed by "
                         "its own clock (adapt/bench/interleave.py): the machine's drift is shared by every row")
+    p.add_argument("--compile", default="off", choices=("off", "aot"),
+                   help="the engines' decode steps: eager, or the compiled package (workers/aot.py; built first "
+                        "when missing)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     loads = [int(x) for x in args.loads.split(",")]
     longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
-    engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest)
+    engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest, compile=args.compile)
     pf = load(args.policy_file)
     pf.cost = profile_engine(engine)
     K = engine.block
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
         for n in names:
             ordered = sorted(runs[n], key=lambda m: m["goodput_tok_s"])
             m = ordered[len(ordered) // 2]
-            rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n,
+            rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n, "compile": args.compile,
                          "length_spread": args.length_spread, "sla_ms": [round(t1, 1), round(4 * t1, 1)],
                          "admission": n.partition("+")[2] or "all",
                          "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),

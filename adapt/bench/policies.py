@@ -158,10 +158,11 @@ def chat_prompt_limit(length: int) -> int:
     return 4 * length + 256
 
 
-def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int):
+def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off"):
     """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
     `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens) plus
-    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`)."""
+    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`). `compile`:
+    the engine's (`EngineConfig.compile`; "aot" builds its package first when missing)."""
     from workers.engine import Engine, EngineConfig
     from workers.pairs import get_pair
 
@@ -169,7 +170,7 @@ def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int):
     spec.prepare()
     limit = chat_prompt_limit(64)
     engine = Engine(EngineConfig(target=spec.target, drafter=spec.drafter, device="auto", dtype="auto",
-                                 max_batch=max_batch, max_len=limit + max_tokens + 8))
+                                 max_batch=max_batch, max_len=limit + max_tokens + 8, compile=compile))
     return engine, workload_prompts(engine, workload, 64, limit, 0)
 
 
