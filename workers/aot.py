@@ -176,14 +176,18 @@ def aot_target(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, ca
     missing (`build`; else `FileNotFoundError` naming the command that builds it). Returns it and
     {"path", "key", "built": bool, "build_s", "load_s"}. `log(message)` hears about a build."""
     facts = package_facts(target, capture, cache, tmax)
-    key = package_key(facts, weights_digest(target))
     folder = package_dir(cache_dir)
+    missing = ("no compiled decode package {} for this target and engine shape; build it with `adapt compile` "
+               "(or --compile aot, which builds it on first use)")
+    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in _facts_files(folder)]
+    if not build and facts not in built_for:  # no package of this shape at all: spare hashing the weights
+        raise FileNotFoundError(missing.format(f"in {folder}"))
+    key = package_key(facts, weights_digest(target))
     path = folder / f"decode-{key}.pt2"
     info = {"path": str(path), "key": key, "built": False, "build_s": 0.0}
     if not path.is_file():
         if not build:
-            raise FileNotFoundError(f"no compiled decode package {path} for this target and engine shape; "
-                                    f"build it with `adapt compile` (or --compile aot, which builds it on first use)")
+            raise FileNotFoundError(missing.format(path))
         if log:
             log(f"compiling the target's decode step into {path} (once per machine and engine shape; "
                 f"a minute or two per 100 M parameters)")
@@ -203,6 +207,11 @@ def compile_options(choice: str) -> dict:
     if choice == "auto":
         return {"compile": "aot", "aot_build": False}
     return {"compile": choice}
+
+
+def _facts_files(folder: Path) -> list[dict]:
+    """The facts written beside each package in `folder` (`package_facts` plus "built_s")."""
+    return [json.loads(f.read_text()) for f in sorted(folder.glob("decode-*.json"))] if folder.is_dir() else []
 
 
 def list_packages(cache_dir: str | Path | None = None) -> list[dict]:

@@ -145,8 +145,6 @@ class Engine:
         self.clock = time.perf_counter
         if config.pack not in (True, False, "auto", "on", "off"):
             raise EngineInputError(f"pack must be auto, on or off, got {config.pack!r}")
-        self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
-                                                     and not self.compiled and not self.aot)
         auto_wide = config.wide_rows == "auto"
         if not auto_wide and not (isinstance(config.wide_rows, int) and not isinstance(config.wide_rows, bool)
                                   and config.wide_rows >= 1):
@@ -194,6 +192,9 @@ class Engine:
             self.target_forward = CompiledTarget(self.target, self.capture)
         elif self.aot:  # decode calls up to the widest verify (anchor + drafts) run the package
             self._load_aot(config.aot_build)
+        # packed verification: eager CPU engines only (compiled programs and packages are padded)
+        self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
+                                                     and not self.compiled and not self.aot)
         self.drafting = None  # the drafter context cache and the denoising loop (workers/drafting.py)
         if self.drafter is not None:
             # draft_pass(tokens, masked, ctx_kv, mask, cos, sin): one denoising pass (`block_logits`);
@@ -238,7 +239,6 @@ class Engine:
         except FileNotFoundError as err:
             log.info("eager decode steps: %s", err)
             self.aot = False
-            self.pack = self.config.pack in (True, "on") or (self.config.pack == "auto" and self.device.type == "cpu")
 
     @property
     def dcache(self):
