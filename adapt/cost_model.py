@@ -214,30 +214,43 @@ class CostModel:
                 token_grid: Sequence[int] = DEFAULT_TOKEN_GRID[:9], row_grid: Sequence[int] = DEFAULT_ROW_GRID[:7],
                 repeats: int = 5, sync: Callable[[], None] | None = None,
                 short_draft_fn: Callable[[int], None] | None = None, block: int = 0) -> "CostModel":
-        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid
-        (median of ``repeats``); with ``short_draft_fn(rows)`` (a pass over the first position of
-        the block's ``block``) also `span_share`, their ratio at the grid's middle row count."""
+        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid; with
+        ``short_draft_fn(rows)`` (a pass over the first position of the block's ``block``) also
+        `span_share`, their ratio at the grid's middle row count.
 
-        def timed(fn, arg) -> float:
+        Every point is warmed once, then timed in ``repeats`` *sweeps*, each sweep timing every
+        point once in turn, and each point keeps its median: a machine whose speed drifts (another
+        process, a noisy neighbour) slows every point of a sweep alike, instead of inflating the
+        few points timed during the slow spell, as timing one point ``repeats`` times and then the
+        next would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way)."""
+        points = [(verify_fn, n) for n in token_grid]
+        if draft_fn is not None:
+            points += [(draft_fn, r) for r in row_grid]
+            mid = row_grid[len(row_grid) // 2]
+            with_short = short_draft_fn is not None and block > 1
+            if with_short:
+                points.append((short_draft_fn, mid))
+        for fn, arg in points:
             fn(arg)  # warm-up
-            samples = []
-            for _ in range(repeats):
+        samples = np.zeros((max(int(repeats), 1), len(points)))
+        for i in range(samples.shape[0]):
+            for j, (fn, arg) in enumerate(points):
                 if sync:
                     sync()
                 t0 = time.perf_counter()
                 fn(arg)
                 if sync:
                     sync()
-                samples.append((time.perf_counter() - t0) * 1e3)
-            return float(np.median(samples))
-
-        verify = Table(token_grid, _monotone([timed(verify_fn, n) for n in token_grid]), "cost.verify")
+                samples[i, j] = (time.perf_counter() - t0) * 1e3
+        ms = np.median(samples, axis=0)                                                  # [points]
+        n_tok = len(token_grid)
+        verify = Table(token_grid, _monotone(ms[:n_tok]), "cost.verify")
         draft, share = None, 1.0
         if draft_fn is not None:
-            draft = Table(row_grid, _monotone([timed(draft_fn, n) for n in row_grid]), "cost.draft_pass")
-            if short_draft_fn is not None and block > 1:
-                mid = row_grid[len(row_grid) // 2]
-                share = min(max(timed(short_draft_fn, mid) / max(timed(draft_fn, mid), 1e-6), 0.05), 1.0)
+            whole = ms[n_tok:n_tok + len(row_grid)]
+            draft = Table(row_grid, _monotone(whole), "cost.draft_pass")
+            if with_short:
+                share = min(max(ms[-1] / max(whole[list(row_grid).index(mid)], 1e-6), 0.05), 1.0)
         return cls(verify, draft, source="profile", span_share=share, block=block)
 
     @classmethod

@@ -55,6 +55,19 @@ def test_profile_times_the_callables():
     assert c.draft_pass.at(20) >= 2.0 and c.source == "profile"
 
 
+def test_profile_sweeps_the_grid_so_a_slow_spell_does_not_inflate_one_point():
+    calls = []
+
+    def verify_fn(n):  # 1 ms, except calls 12..17: a slow spell (6 ms) as long as one point's repeats
+        calls.append(n)
+        time.sleep(6e-3 if 12 <= len(calls) - 1 <= 17 else 1e-3)
+
+    c = CostModel.profile(verify_fn, None, token_grid=(1, 2, 3), repeats=5)
+    assert len(calls) == 3 + 3 * 5  # a warm-up each, then five sweeps
+    assert calls[3:6] == [1, 2, 3]  # a sweep times every point in turn
+    assert c.verify.ys.max() < 3.5  # timed point after point, the last point's median would be ~6 ms
+
+
 def test_fit_traces_recovers_verify_and_draft_costs():
     rng = np.random.default_rng(0)
     records = []
