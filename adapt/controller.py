@@ -198,7 +198,8 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
 
     - verify table: one target forward over ``n`` tokens (with the stash of their hidden states);
     - draft table: one denoising pass over ``rows`` blocks of ``K + 1`` tokens (logits over the
-      draft vocabulary and their softmax, as the engine drafts), plus the lazy drafter-context
+      draft vocabulary and their softmax, as the engine drafts: by the drafter's compiled package
+      where it has one that takes the shape), plus the lazy drafter-context
       commit of two positions per row (what a row drafting every step flushes on average at
       τ ≈ 2; the online correction adjusts it to the measured steps); and ``span_share``, a pass
       over ``[anchor, MASK]`` against a whole block (the draft span, `CostModel.span_scale`; 1 on
@@ -239,20 +240,26 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
 
         def draft_fn(rows: int, span: int = K) -> None:
             # as the engine drafts: commit two context positions, one pass over [anchor, MASK x span]
+            # (the drafter package's where it takes the shape, as `DrafterContext.draft` picks)
             # with logits over the draft vocabulary, and their softmax
             b = min(rows, max_b)
             slots = torch.arange(b, device=dev)
             start = torch.full((b,), context, dtype=torch.long, device=dev)
             flushed = dr.context_kv(engine.pending[:b, :2], start[:, None] + torch.arange(2, device=dev))
             engine.dcache.write_rows(flushed, slots, start)
-            ctx = engine.dcache.views(0, b, context)
+            W = context + span + 1
             tokens = torch.zeros(b, span + 1, dtype=torch.long, device=dev)
             masked = torch.ones(b, span + 1, dtype=torch.bool, device=dev)
             masked[:, 0] = False
             positions = context + torch.arange(span + 1, device=dev).expand(b, span + 1)
-            ctx_mask = torch.ones(b, span + 1, context, dtype=torch.bool, device=dev)
-            hidden = dr.forward_block(dr.embed_block(tokens, masked), positions, ctx, ctx_mask)
-            torch.softmax(dr.draft_logits(hidden[:, 1:]).float(), -1)
+            rope = dr.rope(positions, dr.mask_embedding.dtype, bound=engine.dcache.max_len)
+            program = engine.drafting.program
+            if program is not None and program.fits(b, span + 1, W):
+                mask = torch.zeros(b, 1, W, dtype=dr.mask_embedding.dtype, device=dev)
+                logits = program(tokens, masked, mask, *rope)
+            else:
+                logits = engine.drafting.draft_pass(tokens, masked, engine.dcache.views(0, b, W), None, *rope)
+            torch.softmax(logits.float(), -1)
 
     grid_rows = [r for r in row_grid if r <= max_b] or [1, 2]
     if len(grid_rows) < 2:

@@ -76,6 +76,7 @@ instead of 17.6 ms at eight.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -818,10 +819,9 @@ def suffix_accept_of(table: dict | None, match: torch.Tensor) -> tuple[torch.Ten
     if table is None:
         c = m / (m + 3.0)
         return c, c
-    edges = torch.tensor(table["match"], dtype=torch.float32)
-    idx = (torch.bucketize(m, edges, right=True) - 1).clamp(min=0)
-    later = torch.tensor(table["accept"], dtype=torch.float32)[idx]
-    first = torch.tensor(table["first"], dtype=torch.float32)[idx] if "first" in table else later
+    idx = (torch.bucketize(m, _floats(table["match"]), right=True) - 1).clamp(min=0)
+    later = _floats(table["accept"])[idx]
+    first = _floats(table["first"])[idx] if "first" in table else later
     return first, later
 
 
@@ -855,6 +855,15 @@ def _slot_accept(table: dict | None, match: torch.Tensor, vote: torch.Tensor | N
     cond = torch.where(first, c1[:, None], c[:, None])                                 # [B, Ks]
     if vote is None or table is None or "vote" not in table:
         return cond
-    edges = torch.tensor(table["vote"], dtype=torch.float32)
-    idx = (torch.bucketize(vote.float().contiguous(), edges, right=True) - 1).clamp(min=0)  # [B, Ks]
-    return (cond * torch.tensor(table["vote_scale"], dtype=torch.float32)[idx]).clamp(max=1.0)
+    idx = (torch.bucketize(vote.float().contiguous(), _floats(table["vote"]), right=True) - 1).clamp(min=0)  # [B, Ks]
+    return (cond * _floats(table["vote_scale"])[idx]).clamp(max=1.0)
+
+
+def _floats(values: list[float]) -> torch.Tensor:
+    """A table column as a float32 tensor, made once per distinct column (every step reads them)."""
+    return _float_tensor(tuple(values))
+
+
+@functools.lru_cache(maxsize=64)
+def _float_tensor(values: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)

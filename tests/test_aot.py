@@ -1,7 +1,8 @@
 """Ahead-of-time compiled decode packages (workers/aot.py, `compile="aot"`, `adapt compile`).
 
-One package is built per module for a tiny fp32 pair (AOTInductor compiles it: most of this file's
-time), in a temporary cache directory. Greedy decoding through it is token for token the target's
+One pair of packages (the target's decode forward, the drafter's denoising pass) is built per
+module for a tiny fp32 pair (AOTInductor compiles them: most of this file's time), in a temporary
+cache directory. Greedy decoding through it is token for token the target's
 own (plain transformers), for rows that draft and rows that do not, one row and several, joining
 mid-run; a second engine loads the package without building; an engine of another shape finds no
 package and, told not to build, decodes eagerly; the CLI builds, lists and clears packages.
@@ -16,7 +17,7 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import AotTarget, compile_options, list_packages, package_dir
+from workers.aot import MIN_BLOCK, AotDraftPass, AotTarget, compile_options, list_packages, package_dir
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -44,8 +45,37 @@ def test_the_engine_builds_its_package_and_decodes_through_it(built):
     assert info["built"] and info["build_s"] > 0 and info["key"] in info["path"]
     assert info["path"].startswith(str(package_dir(cache)))
     assert not engine.pack  # verification is padded: the program runs it whole
-    [pkg] = list_packages(cache)
+    pkg, draft = list_packages(cache)
+    assert pkg["kind"] == "decode" and draft["kind"] == "draft"
     assert pkg["cache_shape"][0] == 3 and pkg["tmax"] == engine.block + 1 and pkg["capture"] == list(engine.capture)
+    assert isinstance(engine.drafting.program, AotDraftPass) and info["drafter"]["path"] == draft["path"]
+    assert draft["cache_shape"][0] == 3 and draft["qmax"] == engine.block + 1 and info["drafter"]["built"]
+
+
+def test_the_drafter_package_computes_the_eager_pass(built):
+    """The program's logits for one denoising pass over the cache equal the eager pass's, and it
+    writes the block's keys and values into the cache as the eager pass does."""
+    _, _, _, engine = built
+    drafter, dc, program = engine.drafter, engine.dcache, engine.drafting.program
+    gen = torch.Generator().manual_seed(3)
+    for B, Q, W in ((1, 5, 12), (3, MIN_BLOCK, 40), (2, engine.block + 1, 60)):
+        assert program.fits(B, Q, W)
+        for t in (*dc.k, *dc.v):
+            t.normal_(generator=gen)
+        tokens = torch.randint(0, engine.vocab, (B, Q), generator=gen)
+        masked = torch.rand(B, Q, generator=gen) < 0.7
+        masked[:, 0] = False
+        mask = torch.zeros(B, 1, W)
+        mask[0, 0, 1:4] = float("-inf")  # row 0 does not see three context columns
+        cos, sin = drafter.rope(torch.arange(W - Q, W).expand(B, Q), torch.float32, bound=dc.max_len)
+        got = program(tokens, masked, mask, cos, sin)
+        written = [t[:B, :, W - Q : W].clone() for t in (*dc.k, *dc.v)]
+        want = drafter.block_logits(tokens, masked, dc.views(0, B, W), mask, cos, sin)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, t in zip(written, (*dc.k, *dc.v)):
+            torch.testing.assert_close(a, t[:B, :, W - Q : W], rtol=1e-4, atol=1e-4)
+    assert not program.fits(1, MIN_BLOCK - 1, 20)  # a block of two positions: the eager pass
+    assert not program.fits(4, 5, 20) and not program.fits(1, 5, dc.max_len)
 
 
 def test_greedy_decoding_through_the_package_is_the_targets_own(built):
@@ -54,7 +84,7 @@ def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     want = greedy_reference(target, prompts, MAX_TOKENS)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=4), DecodeKnobs(steps=1, draft_len=16)]
-    before = dict(engine.target_forward.calls)
+    before, passes = dict(engine.target_forward.calls), engine.drafting.program.calls
     for i, (p, kn) in enumerate(zip(prompts, knobs)):  # one row at a time
         got = run_to_completion(engine, [(f"one{i}", p, params, kn)])
         assert got[f"one{i}"] == want[i], kn
@@ -65,6 +95,7 @@ def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     calls = engine.target_forward.calls
     assert calls["program"] - before["program"] > 3 * MAX_TOKENS // 2  # the decode steps ran the program
     assert calls["eager"] - before["eager"] <= 6  # prefills
+    assert engine.drafting.program.calls - passes > MAX_TOKENS // 4  # one-row passes ran the drafter's program
 
 
 def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
@@ -73,6 +104,8 @@ def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
     again = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
                                 **compile_options("auto")))
     assert again.aot and not again.aot_info["built"] and again.aot_info["path"] == engine.aot_info["path"]
+    assert again.aot_info["drafter"] == {**engine.aot_info["drafter"], "built": False, "build_s": 0.0,
+                                         "load_s": again.aot_info["drafter"]["load_s"]}
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     a = run_to_completion(engine, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
     b = run_to_completion(again, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
@@ -85,8 +118,8 @@ def test_without_a_package_auto_decodes_eagerly_and_builds_nothing(built, monkey
     other = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=2, max_len=96,
                                 **compile_options("auto")))  # another shape: its package is not built
     assert not other.aot and other.aot_info == {} and not isinstance(other.target_forward, AotTarget)
-    assert other.pack  # eager CPU engines pack their verification
-    assert len(list_packages(cache)) == 1
+    assert other.pack and other.drafting.program is None  # eager CPU engines pack their verification
+    assert len(list_packages(cache)) == 2
     out = run_to_completion(other, [("e", [5, 3, 7], SamplingParams(max_tokens=6, ignore_eos=True), DecodeKnobs())])
     assert len(out["e"]) == 6
 
@@ -118,11 +151,11 @@ def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
     assert report["max_batch"] == 3 and not report["built"] and report["path"] == engine.aot_info["path"]
     assert main(["compile", "--list"]) == 0
     listed = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert [x["path"] for x in listed] == [engine.aot_info["path"]]
+    assert [x["path"] for x in listed] == [engine.aot_info["path"], engine.aot_info["drafter"]["path"]]
     assert main(["compile", "--max-batch", "0"]) == 2
     assert "--max-batch" in capsys.readouterr().err
     assert main(["compile", "--clear"]) == 0
-    assert "removed 1 package" in capsys.readouterr().out and list_packages(cache) == []
+    assert "removed 2 package" in capsys.readouterr().out and list_packages(cache) == []
 
 
 def test_compile_options_of_the_clis():

@@ -10,7 +10,13 @@ file) in the cache directory, and loaded by every later process in about a secon
 One program serves every decode call of an engine: rows `1 .. max_batch`, `1 .. tmax` new tokens
 each (an anchor and its drafts), per-row start positions, any window `2 .. cache length - 1`.
 Prefills (`logits_index`), packed verification and anything outside those ranges run the eager
-forward, which stays loaded. The drafter's passes stay eager.
+forward, which stays loaded.
+
+The drafter's denoising pass (`BlockDiffusionDrafter.block_logits`) gets a package of its own
+(`draft-<key>.pt2`, `DraftPass`): rows `1 .. max_batch` drafting together, `3 .. K + 1` block
+positions (an anchor and at least two drafts), any window over the drafter-context cache, the
+mask always given. Passes over a subset of the rows (gathered copies of their context) or over a
+block of two positions run eagerly. The drafter-context commits (`context_kv`) stay eager.
 
 A package holds the target's weights as constants and the cache's shape as a constant, so its
 **key** covers what it was built from: the weights' bytes, dtype, captured layers, cache shape
@@ -39,6 +45,8 @@ from workers.pull import cache_root
 
 PACKAGE_FORMAT = 1
 SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in workers/: the forward's code
+DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
+MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 
 
 class _CacheInputs:
@@ -70,15 +78,20 @@ class DecodeForward(nn.Module):
         return self.target(ids, start, cache, 0, window.shape[0], self.capture)
 
 
-def weights_digest(target: nn.Module) -> str:
-    """sha256 over the target's parameters and buffers in `state_dict` order (names, shapes,
-    dtypes, bytes); ~0.3 s for SmolLM2's 270 MB."""
+def tensors_digest(items) -> str:
+    """sha256 over (name, tensor) pairs in order: names, shapes, dtypes and bytes."""
     h = hashlib.sha256()
-    for name, t in target.state_dict().items():
+    for name, t in items:
         t = t.detach()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_digest(target: nn.Module) -> str:
+    """`tensors_digest` over the target's parameters and buffers in `state_dict` order; ~0.3 s
+    for SmolLM2's 270 MB."""
+    return tensors_digest(target.state_dict().items())
 
 
 def package_facts(target: nn.Module, capture: tuple[int, ...], cache, tmax: int) -> dict:
@@ -108,22 +121,27 @@ def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int,
     """Export `DecodeForward` and compile it into the package `path` (written atomically: a
     temporary file renamed into place). Returns the seconds it took. `target` must be in eval
     mode; its eager forward runs once first (it builds lazily made tables the program reads)."""
-    t0 = time.perf_counter()
     max_batch, _, length, _ = cache.k[0].shape
-    module = DecodeForward(target, capture).eval()
+    dev = cache.k[0].device
     B, T = min(2, max_batch), min(3, tmax)
     kv = tuple(torch.zeros_like(t) for t in cache.k) + tuple(torch.zeros_like(t) for t in cache.v)
-    example = (torch.zeros(B, T, dtype=torch.long, device=cache.k[0].device),
-               torch.full((B,), 5, dtype=torch.long, device=cache.k[0].device),
-               torch.zeros(5 + T, device=cache.k[0].device))
+    example = (torch.zeros(B, T, dtype=torch.long, device=dev), torch.full((B,), 5, dtype=torch.long, device=dev),
+               torch.zeros(5 + T, device=dev))
     Dim = torch.export.Dim
     dynamic = {"ids": {0: Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC,
                        1: Dim("tokens", min=1, max=tmax) if tmax > 1 else Dim.STATIC},
                "window": {0: Dim("window", min=2, max=length - 1)}, "kv": tuple(None for _ in kv)}
     dynamic["start"] = {0: dynamic["ids"][0]}
+    return _package(DecodeForward(target, capture).eval(), (*example, *kv), dynamic, path)
+
+
+def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path) -> float:
+    """Export `module` on `example` with `dynamic` shapes, compile it with AOTInductor (weights
+    frozen) into the package `path`, written atomically. Returns the seconds it took."""
+    t0 = time.perf_counter()
     with torch.no_grad():  # inductor freezes weights only with grad off
-        module(*example, *kv)
-        exported = torch.export.export(module, (*example, *kv), dynamic_shapes=dynamic, strict=False)
+        module(*example)
+        exported = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.pt2", dir=path.parent)
         os.close(fd)
@@ -135,6 +153,90 @@ def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int,
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return time.perf_counter() - t0
+
+
+class DraftPassForward(nn.Module):
+    """What a drafter package runs: one denoising pass, `drafter.block_logits` over the first
+    `B` slots of the drafter-context cache, window W carried as the mask's length.
+
+    tokens / masked [B, Q] (the anchor first), mask [B, 1, W] additive (0 = attend), cos / signed
+    sin [B, Q, d], kv: the cache's L key tensors then L value tensors, each [max_batch, kv_heads,
+    cache length, head_dim] (the block's keys and values are written into columns W − Q .. W).
+    Returns logits [B, Q − 1, Vd] float32 over the draft vocabulary."""
+
+    def __init__(self, drafter: nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, tokens, masked, mask, cos, sin, *kv):
+        B, W, layers = tokens.shape[0], mask.shape[-1], len(kv) // 2
+        ctx = [(kv[i][:B, :, :W], kv[layers + i][:B, :, :W]) for i in range(layers)]
+        return self.drafter.block_logits(tokens, masked, ctx, mask, cos, sin)
+
+
+def drafter_digest(drafter: nn.Module) -> str:
+    """`tensors_digest` over what a drafter package holds as constants: the drafter's own weights
+    and the target's embedding and LM-head rows it borrows."""
+    head = drafter.draft_head if drafter.draft_head is not None else drafter.lm_head
+    return tensors_digest([*drafter.state_dict().items(), ("embed_tokens", drafter.embed_tokens.weight),
+                           ("head", head.weight)])
+
+
+def draft_facts(drafter: nn.Module, cache, qmax: int) -> dict:
+    """What a drafter package depends on besides the weights (`drafter_digest`)."""
+    here = Path(__file__).resolve().parent
+    src = hashlib.sha256(b"".join((here / name).read_bytes() for name in DRAFT_SOURCES)).hexdigest()
+    k0 = cache.k[0]
+    return {
+        "format": PACKAGE_FORMAT, "kind": "draft", "torch": torch.__version__, "device": k0.device.type,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "dtype": str(drafter.mask_embedding.dtype), "drafter": drafter.config.to_dict(),
+        "layers": len(cache.k), "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "qmax": int(qmax),
+        "source": src,
+    }
+
+
+def build_draft_package(drafter: nn.Module, cache, qmax: int, path: Path) -> float:
+    """Export `DraftPassForward` (rows 1 .. max_batch, block positions `MIN_BLOCK` .. qmax, window
+    up to the cache's length − 1) and compile it into the package `path`. Returns the seconds."""
+    max_batch, _, length, _ = cache.k[0].shape
+    dev, dtype = cache.k[0].device, drafter.mask_embedding.dtype
+    B, Q, W = min(2, max_batch), min(4, qmax), min(4, qmax) + 8
+    tokens = torch.zeros(B, Q, dtype=torch.long, device=dev)
+    masked = torch.ones(B, Q, dtype=torch.bool, device=dev)
+    masked[:, 0] = False
+    cos, sin = drafter.rope(torch.arange(W - Q, W, device=dev).expand(B, Q), dtype, bound=length)
+    kv = tuple(torch.zeros_like(t) for t in cache.k) + tuple(torch.zeros_like(t) for t in cache.v)
+    example = (tokens, masked, torch.zeros(B, 1, W, dtype=dtype, device=dev), cos, sin, *kv)
+    Dim = torch.export.Dim
+    rows = Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC
+    block = Dim("block", min=MIN_BLOCK, max=qmax)
+    dynamic = {"tokens": {0: rows, 1: block}, "masked": {0: rows, 1: block},
+               "mask": {0: rows, 2: Dim("window", min=MIN_BLOCK + 1, max=length - 1)},
+               "cos": {0: rows, 1: block}, "sin": {0: rows, 1: block}, "kv": tuple(None for _ in kv)}
+    return _package(DraftPassForward(drafter).eval(), example, dynamic, path)
+
+
+class AotDraftPass:
+    """The drafter's denoising pass from a loaded package: `(tokens, masked, mask, cos, sin)` as
+    `DraftPassForward` takes them, over the engine's drafter-context cache (`DrafterContext`
+    calls it only where it `fits`; elsewhere the eager pass runs). `calls` counts its runs."""
+
+    def __init__(self, cache, runner, qmax: int):
+        self.cache, self.qmax = cache, qmax
+        self.max_batch, self.length = cache.k[0].shape[0], cache.k[0].shape[2]
+        self.kv = list(cache.k) + list(cache.v)
+        self.loader = runner.loader
+        self.out_spec = torch.utils._pytree.treespec_loads(self.loader.get_call_spec()[1])
+        self.calls = 0
+
+    def fits(self, rows: int, block: int, window: int) -> bool:
+        return rows <= self.max_batch and MIN_BLOCK <= block <= self.qmax and block < window < self.length
+
+    def __call__(self, tokens, masked, mask, cos, sin):
+        self.calls += 1
+        flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *self.kv])
+        return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
 
 
 class AotTarget:
@@ -175,29 +277,49 @@ def aot_target(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, ca
     """The engine's `AotTarget`: its package loaded from the cache directory, built first when
     missing (`build`; else `FileNotFoundError` naming the command that builds it). Returns it and
     {"path", "key", "built": bool, "build_s", "load_s"}. `log(message)` hears about a build."""
-    facts = package_facts(target, capture, cache, tmax)
+    runner, info = _load_package(
+        "decode", package_facts(target, capture, cache, tmax), lambda: weights_digest(target),
+        lambda path: build_package(target, capture, cache, tmax, path), cache_dir, build, log,
+        "the target's decode step", "a minute or two per 100 M parameters")
+    return AotTarget(target, capture, cache, runner, tmax), info
+
+
+def aot_draft_pass(drafter: nn.Module, cache, qmax: int, cache_dir: str | Path | None = None, build: bool = True,
+                   log=None) -> tuple[AotDraftPass, dict]:
+    """The drafter's `AotDraftPass` over the drafter-context cache `cache` for blocks of up to
+    `qmax` positions, loaded or built as `aot_target` does."""
+    runner, info = _load_package(
+        "draft", draft_facts(drafter, cache, qmax), lambda: drafter_digest(drafter),
+        lambda path: build_draft_package(drafter, cache, qmax, path), cache_dir, build, log,
+        "the drafter's denoising pass", "about half a minute")
+    return AotDraftPass(cache, runner, qmax), info
+
+
+def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: bool, log, what: str,
+                  how_long: str):
+    """Load the package `<prefix>-<key>.pt2` for `facts` and the weights `digest()`, building it
+    with `build_fn(path)` when missing and `build`. Returns (AOTI runner, info)."""
     folder = package_dir(cache_dir)
-    missing = ("no compiled decode package {} for this target and engine shape; build it with `adapt compile` "
+    missing = ("no compiled package {} for this model and engine shape; build it with `adapt compile` "
                "(or --compile aot, which builds it on first use)")
-    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in _facts_files(folder)]
+    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in _facts_files(folder, prefix)]
     if not build and facts not in built_for:  # no package of this shape at all: spare hashing the weights
         raise FileNotFoundError(missing.format(f"in {folder}"))
-    key = package_key(facts, weights_digest(target))
-    path = folder / f"decode-{key}.pt2"
+    key = package_key(facts, digest())
+    path = folder / f"{prefix}-{key}.pt2"
     info = {"path": str(path), "key": key, "built": False, "build_s": 0.0}
     if not path.is_file():
         if not build:
             raise FileNotFoundError(missing.format(path))
         if log:
-            log(f"compiling the target's decode step into {path} (once per machine and engine shape; "
-                f"a minute or two per 100 M parameters)")
-        info["build_s"] = round(build_package(target, capture, cache, tmax, path), 1)
+            log(f"compiling {what} into {path} (once per machine and engine shape; {how_long})")
+        info["build_s"] = round(build_fn(path), 1)
         info["built"] = True
-        write_text_atomic(folder / f"decode-{key}.json", json.dumps({**facts, "built_s": info["build_s"]}, indent=1))
+        write_text_atomic(folder / f"{prefix}-{key}.json", json.dumps({**facts, "built_s": info["build_s"]}, indent=1))
     t0 = time.perf_counter()
     runner = torch._inductor.aoti_load_package(str(path))
     info["load_s"] = round(time.perf_counter() - t0, 2)
-    return AotTarget(target, capture, cache, runner, tmax), info
+    return runner, info
 
 
 def compile_options(choice: str) -> dict:
@@ -209,25 +331,28 @@ def compile_options(choice: str) -> dict:
     return {"compile": choice}
 
 
-def _facts_files(folder: Path) -> list[dict]:
-    """The facts written beside each package in `folder` (`package_facts` plus "built_s")."""
-    return [json.loads(f.read_text()) for f in sorted(folder.glob("decode-*.json"))] if folder.is_dir() else []
+def _facts_files(folder: Path, prefix: str) -> list[dict]:
+    """The facts written beside each `prefix` package in `folder` (`package_facts` or
+    `draft_facts`, plus "built_s")."""
+    return [json.loads(f.read_text()) for f in sorted(folder.glob(f"{prefix}-*.json"))] if folder.is_dir() else []
 
 
 def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
     """The packages in the cache directory: path, size in MB and the facts they were built for."""
     out = []
-    for pt2 in sorted(package_dir(cache_dir).glob("decode-*.pt2")):
+    folder = package_dir(cache_dir)
+    for pt2 in sorted(folder.glob("decode-*.pt2")) + sorted(folder.glob("draft-*.pt2")):
         meta = pt2.with_suffix(".json")
         facts = json.loads(meta.read_text()) if meta.is_file() else {}
-        out.append({"path": str(pt2), "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
+        kind = pt2.name.split("-", 1)[0]  # decode (the target's forward) or draft (the drafter's pass)
+        out.append({"path": str(pt2), "kind": kind, "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
     return out
 
 
 def remove_packages(cache_dir: str | Path | None = None) -> int:
     """Delete every package (and its facts file); returns how many packages there were."""
     folder = package_dir(cache_dir)
-    n = len(list(folder.glob("decode-*.pt2"))) if folder.is_dir() else 0
+    n = len(list(folder.glob("decode-*.pt2")) + list(folder.glob("draft-*.pt2"))) if folder.is_dir() else 0
     if folder.is_dir():
         shutil.rmtree(folder)
     return n

@@ -122,6 +122,9 @@ class DrafterContext:
         self.cache = KVCache(dc.num_layers, max_batch, dc.num_kv_heads, capacity, dc.head_dim, dtype=dtype, device=device)
         # [max_batch, PENDING_WINDOW, n * H] target hidden states not yet in the drafter context
         self.pending = torch.zeros(max_batch, PENDING_WINDOW, width, dtype=dtype, device=device)
+        # the denoising pass from a compiled package (workers/aot.py `AotDraftPass`), or None:
+        # it takes passes over every row (the cache's first slots) where it `fits`
+        self.program = None
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -218,7 +221,12 @@ class DrafterContext:
         # drawn for the whole block (a row's generator advances alike whatever the span)
         uniforms = draw_uniforms([running[i].generator for i in rows], steps, self.block, dev)
         uniforms = None if uniforms is None else uniforms[..., :K]
-        return denoise(lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope), pick(batch.anchors),
+        one_pass = lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope)  # noqa: E731
+        if everyone and self.program is not None and self.program.fits(Bd, K + 1, W):
+            if mask is None:  # the program always takes one
+                mask = torch.zeros(Bd, 1, W, dtype=dtype, device=dev)
+            one_pass = lambda tokens, masked: self.program(tokens, masked, mask, *rope)  # noqa: E731
+        return denoise(one_pass, pick(batch.anchors),
                        steps, K, pick(batch.temperature), pick(batch.top_k), pick(batch.top_p),
                        pick(batch.left_to_right), uniforms, self.vocab_ids)
 

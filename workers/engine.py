@@ -206,6 +206,8 @@ class Engine:
                 context_kv = compile_forward(self.drafter, "context_kv", bound=cap)
             self.drafting = DrafterContext(self.drafter, context_kv, draft_pass, config.max_batch, cap,
                                            len(self.capture) * tcfg.hidden_size, self.dtype, self.device)
+            if self.aot:  # the denoising passes over every row from the drafter's package
+                self._load_aot_drafter(config.aot_build)
         if self.compiled:  # the buffers' shapes are constants of the compiled programs
             mark_static(*self.tcache.k, *self.tcache.v)
             if self.drafting is not None:
@@ -239,6 +241,18 @@ class Engine:
         except FileNotFoundError as err:
             log.info("eager decode steps: %s", err)
             self.aot = False
+
+    def _load_aot_drafter(self, build: bool) -> None:
+        """The drafter's denoising pass from its compiled package (`aot_info["drafter"]`), built
+        first when missing if `build`; else, when missing, eager passes."""
+        from workers.aot import aot_draft_pass
+
+        log = logging.getLogger(__name__)
+        try:
+            self.drafting.program, self.aot_info["drafter"] = aot_draft_pass(
+                self.drafter, self.drafting.cache, self.block + 1, build=build, log=log.warning)
+        except FileNotFoundError as err:
+            log.info("eager drafter passes: %s", err)
 
     @property
     def dcache(self):

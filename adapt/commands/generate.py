@@ -175,5 +175,8 @@ def _run(args) -> int:
 
 
 def _step_kind(engine) -> str:
-    """How the decode steps ran: "compiled package", "torch.compile" or "eager"."""
-    return "compiled package" if engine.aot else "torch.compile" if engine.compiled else "eager"
+    """How the decode steps ran: "compiled packages" (the target's and the drafter's), "compiled
+    package" (the target's; eager drafter passes), "torch.compile" or "eager"."""
+    if engine.aot:
+        return "compiled packages" if "drafter" in engine.aot_info else "compiled package"
+    return "torch.compile" if engine.compiled else "eager"
