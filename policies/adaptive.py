@@ -16,7 +16,7 @@ only where that is predicted to be ``no_draft_margin`` better). A row that has n
 draft yet reads as the *typical* recent acceptance of its temperature class (greedy or sampled,
 fitted on traces that drafted every row: `AcceptancePredictor.typical_recent`; not updated from
 what this policy observes, which only sees the rows it chose to draft); a row that has
-not verified drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen
+not verified diffusion drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen
 while it does not draft) pulled toward that typical value by ``1 − idle_decay^n``, so it is
 offered drafting again whenever typical rows of its class are worth drafting.
 

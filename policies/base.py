@@ -157,7 +157,11 @@ class Policy:
         accepted = torch.as_tensor(outcome.accepted).cpu()
         step_ms = outcome_ms(outcome)
         emitted = accepted + 1
-        self.book.observe(rows, emitted, step_ms, torch.as_tensor(outcome.verified).cpu())
+        verified = torch.as_tensor(outcome.verified).cpu()
+        steps = self.last_steps
+        if steps is not None and steps.shape == verified.shape:  # idle: steps without diffusion drafts
+            verified = torch.where(steps.cpu() > 0, verified, 0)
+        self.book.observe(rows, emitted, step_ms, verified)
         if step_ms > 0:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate

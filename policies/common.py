@@ -53,7 +53,7 @@ def row_info(knobs, targets) -> RowInfo:
 
 class RequestBook:
     """Per-request memory of a policy: targets read once, decode time and tokens so far, and the
-    steps since the request last verified drafts (*idle* steps), and the decayed sums of the tokens
+    steps since the request last verified diffusion drafts (*idle* steps), and the decayed sums of the tokens
     its suffix drafts won and of what the policy's table predicted for them (`observe_suffix`).
 
     ``observe`` adds each step's time to every row in it and the row's emitted tokens; the
@@ -155,7 +155,8 @@ class RequestBook:
         return out
 
     def observe(self, rows, emitted: torch.Tensor, step_ms: float, verified: torch.Tensor | None = None) -> None:
-        """emitted: [B] tokens each row received this step; verified: [B] drafts it verified."""
+        """emitted: [B] tokens each row received this step; verified: [B] diffusion drafts it
+        verified (a row that verified none is idle one more step)."""
         self.tick += 1
         self._load(rows)
         self.elapsed += step_ms

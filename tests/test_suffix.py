@@ -95,6 +95,33 @@ def test_suffix_drafts_without_a_drafter_keep_greedy_output(target):
     assert {s["source_used"] for s in stats} <= {"suffix", "none"}
 
 
+def test_suffix_drafts_leave_the_rows_recent_acceptance_alone(target):
+    """`recent_accept` is the acceptance of a row's diffusion drafts (the prior's main feature): a
+    row that verifies suffix drafts, accepted or not, keeps RECENT_NONE; and a policy's book
+    counts a step whose row verified a suffix draft as idle (no diffusion draft verified)."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from tests.test_policies import make_rows
+    from workers.decisions import RECENT_NONE, SUFFIX, StepOutcome
+
+    engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=2, max_len=64))
+    engine.add_request("a", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=30, ignore_eos=True),
+                       DecodeKnobs(draft_len=8, source="suffix"))
+    engine.step()  # the prefill
+    req = engine.running[0]
+    while engine.has_unfinished() and req.verified == 0:
+        engine.step()
+    assert req.verified > 0 and req.last_knobs[0] == SUFFIX
+    assert req.recent_accept == RECENT_NONE
+
+    policy, rows = AdaptivePolicy(), make_rows(2, 8)
+    policy.choose_steps(rows)
+    policy.last_steps = torch.tensor([SUFFIX, 1])  # row 0 copied, row 1 drafted by diffusion
+    policy.observe(rows, StepOutcome(torch.tensor([2, 1]), torch.tensor([3, 3]), torch.zeros(2), 0.01, 8))
+    assert policy.book.idle.tolist() == [1.0, 0.0]
+
+
 def test_suffix_source_needs_the_suffix_drafter(target):
     engine = Engine(EngineConfig(target=target, drafter=None, dtype="float32", max_batch=2, max_len=32, suffix=False))
     with pytest.raises(EngineInputError, match="suffix"):

@@ -25,7 +25,8 @@ def advance(req: RequestState, steps: int, draft_len: int, rule: int, accepted: 
     req.accepted += accepted
     req.verified += draft_len
     req.tvd += tvd
-    req.recent_accept = next_recent_accept(req.recent_accept, accepted, draft_len)
+    if steps > 0:  # diffusion drafts only: a suffix draft's acceptance has its own model (its match)
+        req.recent_accept = next_recent_accept(req.recent_accept, accepted, draft_len)
     if accept_per_position is not None:  # else the counters did not change
         req.apos = accept_per_position
     req.last_knobs = (steps, draft_len, rule)

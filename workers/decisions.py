@@ -60,7 +60,9 @@ class RowState:
 
     position: committed sequence length L (prompt + generated - 1: the anchor is not cached yet);
     generated: tokens generated so far; recent_accept: per-position acceptance of the row's recent
-    verified drafts (`next_recent_accept`; `RECENT_NONE` = none verified yet);
+    verified diffusion drafts (`next_recent_accept`; `RECENT_NONE` = none verified yet; suffix
+    drafts do not move it: their acceptance is read from their match, and a failed copy says
+    nothing about what the drafter would have drafted);
     tvd_spent: total variation spent so far; remaining: tokens the row may still emit;
     block_size: the widest draft the engine verifies (the drafter's K; the suffix drafter's cap
     without a drafter; 0 = no drafting at all).
