@@ -190,6 +190,9 @@ def reload(decision_maker, policy, keep_cost: bool = False) -> str:
     return pf.version
 
 
+PROFILE_SPAN = 4  # drafts per speculative step when profiling the drafting extra (`profile_engine`)
+
+
 @torch.inference_mode()
 def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_ROW_GRID[:7],
                    context: int = 64, repeats: int = 5, overhead_steps: int = 12) -> CostModel:
@@ -207,7 +210,10 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     - ``overhead_ms``: the median time of ``overhead_steps`` real autoregressive engine steps of one
       request, minus the verify table's value at one token;
     - then the *drafting extra*: the median time of real speculative steps of one request (s = 1,
-      the full block), minus what the tables and the overhead predict for them, added to every
+      `PROFILE_SPAN` drafts verified, the block denoised over as many positions: the drafts a policy
+      takes on a CPU, where the whole block's 16 would price drafting by the acceptance, features
+      and verification of a step no policy takes there), minus what the tables and the overhead
+      predict for them, in whole-block units (`CostModel.span_scale`), added to every
       point of the draft table. A drafting step pays more than its denoising pass: acceptance over
       the block, the drafter-context commit, the draft features, bookkeeping per drafted token
       (at batch 1 on the demo pair ~1.8 ms that the passes alone did not show, so drafting looked
@@ -270,14 +276,18 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
     if overhead_steps > 0:
         # autoregressive and speculative steps in alternating short runs (a drift meets both)
         chunks = max(1, min(3, overhead_steps // 4))
+        span = min(K, PROFILE_SPAN)
         ar_ms, spec_ms = [], []
         for _ in range(chunks):
             ar_ms += _step_times(engine, context, -(-overhead_steps // chunks), draft_len=0)
             if dr is not None:
-                spec_ms += _step_times(engine, context, -(-overhead_steps // chunks), draft_len=K)
+                spec_ms += _step_times(engine, context, -(-overhead_steps // chunks), draft_len=span)
         cost.overhead_ms = max(0.0, float(np.median(ar_ms)) - float(cost.verify.at(1.0)))
         if dr is not None:
-            extra = max(0.0, float(np.median(spec_ms)) - cost.step_ms_at(float(K + 1), [1]))
+            cost.span = span  # the tables' prediction for these steps: passes over `span` positions
+            extra = max(0.0, float(np.median(spec_ms)) - cost.step_ms_at(float(span + 1), [1]))
+            extra /= cost.span_scale()  # the draft table holds whole-block passes
+            cost.span = None
             cost.draft_pass = Table(cost.draft_pass.xs.tolist(), (cost.draft_pass.ys + extra).tolist(), "cost.draft_pass")
     return cost
 
