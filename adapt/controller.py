@@ -246,7 +246,7 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
 
         def draft_fn(rows: int, span: int = K) -> None:
             # as the engine drafts: commit two context positions, one pass over [anchor, MASK x span]
-            # (the drafter package's where it takes the shape, as `DrafterContext.draft` picks)
+            # (the drafter package's where it takes the shape: `DrafterContext.block_pass`)
             # with logits over the draft vocabulary, and their softmax
             b = min(rows, max_b)
             slots = torch.arange(b, device=dev)
@@ -259,13 +259,8 @@ def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_R
             masked[:, 0] = False
             positions = context + torch.arange(span + 1, device=dev).expand(b, span + 1)
             rope = dr.rope(positions, dr.mask_embedding.dtype, bound=engine.dcache.max_len)
-            program = engine.drafting.program
-            if program is not None and program.fits(b, span + 1, W):
-                mask = torch.zeros(b, 1, W, dtype=dr.mask_embedding.dtype, device=dev)
-                logits = program(tokens, masked, mask, *rope)
-            else:
-                logits = engine.drafting.draft_pass(tokens, masked, engine.dcache.views(0, b, W), None, *rope)
-            torch.softmax(logits.float(), -1)
+            one_pass = engine.drafting.block_pass(engine.dcache.views(0, b, W), None, rope, b, span + 1, W)
+            torch.softmax(one_pass(tokens, masked).float(), -1)
 
     grid_rows = [r for r in row_grid if r <= max_b] or [1, 2]
     if len(grid_rows) < 2:

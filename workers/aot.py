@@ -94,18 +94,22 @@ def weights_digest(target: nn.Module) -> str:
     return tensors_digest(target.state_dict().items())
 
 
+def _shared_facts(sources: tuple[str, ...], cache) -> dict:
+    """What every package depends on: its format, torch's version, the device and the CPU's vector
+    capability, the cache it runs over and the source of the code it compiled (`sources`, in
+    workers/)."""
+    here = Path(__file__).resolve().parent
+    src = hashlib.sha256(b"".join((here / name).read_bytes() for name in sources)).hexdigest()
+    k0 = cache.k[0]
+    return {"format": PACKAGE_FORMAT, "torch": torch.__version__, "device": k0.device.type,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "layers": len(cache.k),
+            "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": src}
+
+
 def package_facts(target: nn.Module, capture: tuple[int, ...], cache, tmax: int) -> dict:
     """Everything a package depends on besides the weights (which `weights_digest` covers)."""
-    here = Path(__file__).resolve().parent
-    src = hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES)).hexdigest()
-    k0 = cache.k[0]
-    return {
-        "format": PACKAGE_FORMAT, "torch": torch.__version__, "device": k0.device.type,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "dtype": str(next(target.parameters()).dtype), "capture": list(capture),
-        "layers": len(cache.k), "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "tmax": int(tmax),
-        "source": src,
-    }
+    return {**_shared_facts(SOURCES, cache), "dtype": str(next(target.parameters()).dtype),
+            "capture": list(capture), "tmax": int(tmax)}
 
 
 def package_key(facts: dict, weights: str) -> str:
@@ -184,16 +188,8 @@ def drafter_digest(drafter: nn.Module) -> str:
 
 def draft_facts(drafter: nn.Module, cache, qmax: int) -> dict:
     """What a drafter package depends on besides the weights (`drafter_digest`)."""
-    here = Path(__file__).resolve().parent
-    src = hashlib.sha256(b"".join((here / name).read_bytes() for name in DRAFT_SOURCES)).hexdigest()
-    k0 = cache.k[0]
-    return {
-        "format": PACKAGE_FORMAT, "kind": "draft", "torch": torch.__version__, "device": k0.device.type,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "dtype": str(drafter.mask_embedding.dtype), "drafter": drafter.config.to_dict(),
-        "layers": len(cache.k), "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "qmax": int(qmax),
-        "source": src,
-    }
+    return {**_shared_facts(DRAFT_SOURCES, cache), "kind": "draft", "dtype": str(drafter.mask_embedding.dtype),
+            "drafter": drafter.config.to_dict(), "qmax": int(qmax)}
 
 
 def build_draft_package(drafter: nn.Module, cache, qmax: int, path: Path) -> float:
@@ -337,11 +333,15 @@ def _facts_files(folder: Path, prefix: str) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(folder.glob(f"{prefix}-*.json"))] if folder.is_dir() else []
 
 
+def _package_files(folder: Path) -> list[Path]:
+    """The packages in `folder`: the targets' decode steps, then the drafters' passes."""
+    return [p for kind in ("decode", "draft") for p in sorted(folder.glob(f"{kind}-*.pt2"))]
+
+
 def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
     """The packages in the cache directory: path, size in MB and the facts they were built for."""
     out = []
-    folder = package_dir(cache_dir)
-    for pt2 in sorted(folder.glob("decode-*.pt2")) + sorted(folder.glob("draft-*.pt2")):
+    for pt2 in _package_files(package_dir(cache_dir)):
         meta = pt2.with_suffix(".json")
         facts = json.loads(meta.read_text()) if meta.is_file() else {}
         kind = pt2.name.split("-", 1)[0]  # decode (the target's forward) or draft (the drafter's pass)
@@ -352,7 +352,7 @@ def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
 def remove_packages(cache_dir: str | Path | None = None) -> int:
     """Delete every package (and its facts file); returns how many packages there were."""
     folder = package_dir(cache_dir)
-    n = len(list(folder.glob("decode-*.pt2")) + list(folder.glob("draft-*.pt2"))) if folder.is_dir() else 0
+    n = len(_package_files(folder))
     if folder.is_dir():
         shutil.rmtree(folder)
     return n

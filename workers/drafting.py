@@ -188,6 +188,19 @@ class DrafterContext:
         if n > 0:
             self.pending[dst, :n] = self.pending[src, :n]
 
+    def block_pass(self, ctx, mask: torch.Tensor | None, rope, rows: int, block: int, window: int,
+                   everyone: bool = True):
+        """One denoising pass as a function ``(tokens, masked) [rows, block] -> logits [rows,
+        block − 1, Vd]``: the drafter package's where it takes the shape (``everyone``: a pass over
+        the cache's first ``rows`` slots, every row of the batch), else the engine's own pass over
+        ``ctx`` (per-layer cache views or gathered copies, ``window`` columns). mask: [rows, 1,
+        window] additive, or None (every row attends to every column); rope: (cos, sin)."""
+        if everyone and self.program is not None and self.program.fits(rows, block, window):
+            if mask is None:  # the program always takes one
+                mask = torch.zeros(rows, 1, window, dtype=self.drafter.mask_embedding.dtype, device=self.device)
+            return lambda tokens, masked: self.program(tokens, masked, mask, *rope)
+        return lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope)
+
     def draft(self, batch: StepBatch, rows: list[int], span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Denoise `[anchor, MASK x K]` for rows `rows` of `batch` (whose context must be written:
         `flush` them first), K = `span` (the first `span` positions of the drafter's block; default
@@ -221,12 +234,7 @@ class DrafterContext:
         # drawn for the whole block (a row's generator advances alike whatever the span)
         uniforms = draw_uniforms([running[i].generator for i in rows], steps, self.block, dev)
         uniforms = None if uniforms is None else uniforms[..., :K]
-        one_pass = lambda tokens, masked: self.draft_pass(tokens, masked, ctx, mask, *rope)  # noqa: E731
-        if everyone and self.program is not None and self.program.fits(Bd, K + 1, W):
-            if mask is None:  # the program always takes one
-                mask = torch.zeros(Bd, 1, W, dtype=dtype, device=dev)
-            one_pass = lambda tokens, masked: self.program(tokens, masked, mask, *rope)  # noqa: E731
-        return denoise(one_pass, pick(batch.anchors),
+        return denoise(self.block_pass(ctx, mask, rope, Bd, K + 1, W, everyone), pick(batch.anchors),
                        steps, K, pick(batch.temperature), pick(batch.top_k), pick(batch.top_p),
                        pick(batch.left_to_right), uniforms, self.vocab_ids)
 
