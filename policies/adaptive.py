@@ -599,7 +599,7 @@ class AdaptivePolicy(Policy):
         eps = torch.where(temp > 0, torch.minimum(ctx["eps"], ctx["budget_left"] / K), torch.zeros_like(temp))
         eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
         surv = pred.prior_survival(grid, K, temp, recent, match, eps)                   # [B, S, K]
-        keep = w[:, None, None] * surv >= self.threshold.to(dev)                       # planned prefix
+        keep = w[:, None, None] * surv >= self._lambda(float(w_base.sum()), B).to(dev)  # planned prefix
         gain = w_base[:, None] + w[:, None] * (surv * keep).sum(-1)                   # [B, S]
         toks = 1.0 + keep.sum(-1).float()                                             # [B, S]
         # level by level (s = 0 -> s_1 -> s_2 ...): admit the rows that gain most while Θ_w rises
@@ -644,6 +644,19 @@ class AdaptivePolicy(Policy):
         # (a closed batch may weigh a row's extra tokens at 0: then it has none planned)
         extra = torch.where(level >= 0, (cur_gain - w_base) / w.clamp_min(1e-9), torch.zeros_like(w))
         return steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu()
+
+    def _lambda(self, base: float, B: int) -> torch.Tensor:
+        """λ as a plan reads it: the last drafting step's (`threshold`), but never below what a
+        plain step of ``B`` rows earns for the ms one more verified token costs (``base`` its
+        weighted tokens: ``base / step_ms(B) · dms``; the batch's best rate is at least the plain
+        step's). Before the first drafting step, and long after the last, this floor is the
+        threshold: at λ = 0 a plan would verify the whole block, whose cost on a CPU (a 17-token
+        step at ~2x a plain one on SmolLM2) prices drafting out for good, since a plan that never
+        drafts never learns a λ (measured: the policy drafted on 0 % or on ~75 % of steps of the
+        same run by how the start-up profile priced a 17-token step)."""
+        plain = max(float(self.cost.step_ms_at(float(B))), 1e-6)
+        dms = max((float(self.cost.step_ms_at(B + 8.0)) - plain) / 8.0, 0.0)
+        return torch.maximum(self.threshold, torch.tensor(base / plain * dms))
 
     def _recent(self, rows, idle: torch.Tensor, pred) -> torch.Tensor:
         """[B] recent acceptance as the prior should read it: the class's typical value for rows
@@ -691,7 +704,7 @@ class AdaptivePolicy(Policy):
         cost_fn = lambda tokens: self.cost.step_ms(tokens.cpu()).to(dev) + draft_ms  # noqa: E731
         if max_s > 1 and bool(ctx["left_to_right"].any()):
             sensitive = (temp > 0) & (eps == 0) & (draft.exact_rule == int(Rule.REJECTION)) & (draft.steps > 1)
-            lam = self.threshold.to(dev)
+            lam = self._lambda(float(base), B).to(dev)
             k_sens = torch.where(sensitive, (values >= lam).sum(1), torch.zeros(B, dtype=torch.int64, device=dev))
             sens_gain = (values * (values >= lam) * sensitive[:, None]).sum()
             k_greedy, theta = greedy_prefix(values * (~sensitive)[:, None], base + sens_gain, B + k_sens.sum(),

@@ -214,6 +214,23 @@ def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
     assert (never.choose_steps(rows) >= 1).all()
 
 
+def test_adaptive_plans_short_drafts_before_it_knows_a_threshold():
+    """A fresh policy has verified nothing, so λ (the worth of the marginal verified slot) is
+    unknown; a plan at λ = 0 would verify the whole block, which on a CPU costs twice a plain
+    step and prices drafting out for good (a plan that never drafts never learns a λ). The
+    plain step's λ floors it: the first plan drafts a short prefix."""
+    from adapt.cost_model import CostModel, Table
+
+    cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [3.0, 3.0]))
+    p = policies.get("adaptive", cost=cost)
+    assert float(p.threshold) == 0.0
+    assert p.choose_steps(make_rows(1, 16, temperature=[0.0])).tolist() == [1]
+    assert 2 <= int(p._plan[4][0]) <= 8  # planned verified positions (bonus included): a short prefix
+    # where verifying the whole block is nearly free, the floor keeps every slot worth anything
+    flat = policies.get("adaptive", cost=CostModel(Table([1, 1024], [14.0, 14.0]), Table([1, 256], [3.0, 3.0])))
+    assert float(flat._lambda(1.0, 1)) == 0.0
+
+
 def test_adaptive_offers_drafting_again_to_rows_that_stopped():
     p = policies.get("adaptive", idle_decay=0.5)
     import dataclasses
