@@ -115,6 +115,7 @@ class AdaptivePolicy(Policy):
             raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
         self.span_headroom = span_headroom
         self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
+        self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
         self.sla_guard = bool(sla_guard)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
@@ -337,6 +338,7 @@ class AdaptivePolicy(Policy):
             planned = int(plan[4][diffusing].max()) - 1  # toks: verified positions, bonus included
             span = max(1, min(K, planned + self.span_headroom))
         self.typical_span = span if self.typical_span is None else 0.8 * self.typical_span + 0.2 * span
+        self._span_now = span
         return span
 
     def _price_span(self, K: int) -> None:
@@ -361,7 +363,7 @@ class AdaptivePolicy(Policy):
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
         K = int(getattr(rows, "block_size", 0) or self.block_size)
-        self._suffix_k, self._suffix_expect = None, None
+        self._suffix_k, self._suffix_expect, self._span_now = None, None, None
         if B == 0 or K == 0:
             return torch.zeros(B, dtype=torch.int64)
         if not getattr(rows, "has_drafter", True):  # suffix drafts only (an engine without a drafter)
@@ -680,9 +682,11 @@ class AdaptivePolicy(Policy):
         max_s = len(rpp)
         if max_s == 0:  # no row drafted: every row emits its one target token
             return no_draft_decision(rows, dev)
-        if self._flat(B, K, rpp):
-            # verification is nearly free here (memory-bound): verify every drafted slot
-            k = torch.where(draft.steps > 0, K, 0).to(torch.int64)
+        span = min(K, self._span_now or K)  # the positions the drafter denoised (0 confidence past them)
+        if self._flat(B, span, rpp):
+            # verifying every drafted slot costs nearly nothing more (memory-bound, or a short span
+            # on a CPU): verify them all, without evaluating the predictor
+            k = torch.where(draft.steps > 0, span, 0).to(torch.int64)
             eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
             eps = torch.where(rows.temperature.to(dev) > 0, eps, torch.zeros_like(eps))
             rule, param = rules_from(draft, eps)

@@ -98,7 +98,7 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     p.span_headroom = None
     assert p.draft_span(rows, [1, 0, 2]) == 16
     p.span_headroom = 2
-    p._plan = (("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([3.0]))
+    p._plan = (("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     assert p.draft_span(rows, [1, 0, 2]) == 16           # no plan for these rows: the whole block
     with pytest.raises(ValueError, match="span_headroom"):
         policies.get("adaptive", span_headroom=-1)
@@ -116,3 +116,31 @@ def test_adaptive_prices_drafting_at_the_span_it_drafts():
         p.draft_span(rows, [1, 1])
     p._price_span(16)
     assert cost.span == 3 and cost.span_scale() == pytest.approx(0.4 + 0.6 * 2 / 15)
+
+
+def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
+    """Verification nearly flat up to the span the drafter denoised (here 5 positions of a
+    16-token block, where the whole block would cost twice a plain step): every drafted
+    position of the span is verified, none past it (their confidence is 0: never denoised)."""
+    from adapt.cost_model import CostModel, Table
+    from workers.decisions import DraftFeatures, exact_rules
+
+    cost = CostModel(Table([1, 6, 17, 1024], [14.0, 14.5, 28.0, 900.0]), Table([1, 256], [3.0, 3.0]))
+    p = policies.get("adaptive", cost=cost)
+    rows = make_rows(1, K=16)
+    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
+    p.choose_steps(rows)
+    assert p.draft_span(rows, [1]) == 5
+    conf = torch.zeros(1, 16)
+    conf[0, :5] = torch.tensor([0.9, 0.2, 0.1, 0.05, 0.02])  # low: the predictor would drop most
+    cond = torch.ones(1, dtype=torch.bool)
+    d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
+                                            exact_rules(rows.temperature, cond), cond))
+    assert d.draft_len.tolist() == [5]
+    p.flat_share = 0.0  # not flat: the predictor and the greedy decide, within the span
+    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
+    p.choose_steps(rows)
+    p.draft_span(rows, [1])
+    d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
+                                            exact_rules(rows.temperature, cond), cond))
+    assert int(d.draft_len[0]) < 5
