@@ -10,6 +10,7 @@ import pytest
 from adapt.bench.live import KnobsBaseline, run_live
 from adapt.bench.interleave import StepClock, run_interleaved
 from adapt.replay import Scenario, make_mix
+from workers.traces import ListTraceSink
 
 
 def test_step_clock_stands_still_while_paused():
@@ -47,9 +48,13 @@ def test_interleaved_runs_serve_every_request_on_their_own_clocks():
     scenario = Scenario("mix", 2, mix)
     engines = [_engine(), _engine()]
     policies = [KnobsBaseline("ar", draft_len=0), KnobsBaseline("suffix", source="suffix", draft_len=8)]
+    sinks = [ListTraceSink(), None]
     t0 = time.perf_counter()
-    both = run_interleaved(engines, policies, scenario, prompts)
+    both = run_interleaved(engines, policies, scenario, prompts, trace_sinks=sinks)
     elapsed = time.perf_counter() - t0
+    # the first run is traced: one record per row per decode step, every request's
+    assert {r["request_id"].rsplit("-", 1)[1] for r in sinks[0].records} == {str(i) for i in range(len(mix))}
+    assert all(e.trace_sink is None for e in engines[1:])
     assert all(e.clock is time.perf_counter for e in engines)
     alone = run_live(engines[0], KnobsBaseline("ar", draft_len=0), scenario, prompts)
     for m in both:

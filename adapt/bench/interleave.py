@@ -70,13 +70,14 @@ def run_round(engines: list, policies: list, warm: Scenario, scenario: Scenario,
 
 
 def run_interleaved(engines: list, policies: list, scenario: Scenario, prompts: list[list[int]], *,
-                    seed: int = 0) -> list[dict]:
+                    seed: int = 0, trace_sinks: list | None = None) -> list[dict]:
     """Serve ``scenario`` through ``engines[i]`` with ``policies[i]`` deciding, all runs taking
     turns one engine step at a time; returns each run's `LiveRun.metrics()`, in order.
 
     Every engine must be a distinct `Engine` (each run holds its engine's requests and clock);
     each gets a fresh `StepClock` for the run and its own clock back afterwards. A run that
-    finishes early stops taking turns; the others go on."""
+    finishes early stops taking turns; the others go on. ``trace_sinks``: one trace sink (or None)
+    per run (workers/traces.py)."""
     from adapt.bench.live import LiveRun
 
     if len({id(e) for e in engines}) != len(engines) or len(engines) != len(policies):
@@ -85,10 +86,10 @@ def run_interleaved(engines: list, policies: list, scenario: Scenario, prompts: 
     saved = [e.clock for e in engines]
     try:
         runs = []
-        for engine, policy, clock in zip(engines, policies, clocks):
+        for engine, policy, clock, sink in zip(engines, policies, clocks, trace_sinks or [None] * len(engines)):
             engine.clock = clock
             clock.resume()
-            runs.append(LiveRun(engine, policy, scenario, prompts, seed=seed))
+            runs.append(LiveRun(engine, policy, scenario, prompts, seed=seed, trace_sink=sink))
             clock.pause()
         while not all(r.done for r in runs):
             for run, clock in zip(runs, clocks):
