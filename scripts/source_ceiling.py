@@ -15,7 +15,7 @@ goal, a better choice alone cannot reach the goal, and cheaper diffusion steps (
 drafts) must come first.
 
     python scripts/source_ceiling.py --pair smollm2 --workload mixed --requests 24 --compile aot \\
-        --out results/policies-smollm2-43/ceiling-mixed.json
+        --out results/policies-smollm2-43/ceiling-mixed.json --traces /tmp/ceiling-traces
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", default="off", choices=("off", "aot"))
     p.add_argument("--out", required=True)
+    p.add_argument("--traces", default=None, help="a folder to keep both runs' trace records in "
+                   "(suffix.jsonl, adaptive.jsonl)")
     args = p.parse_args(argv)
 
     import torch
@@ -113,6 +115,11 @@ def main(argv=None) -> int:
         run_live(e, pol, Scenario("warm", 1, mix[:4]), prompts)
     sinks = [ListTraceSink(), ListTraceSink()]
     measured = run_interleaved(engines, policies, Scenario("mix", 1, mix[: args.requests]), prompts, trace_sinks=sinks)
+    if args.traces:
+        folder = Path(args.traces)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, sink in zip(("suffix", "adaptive"), sinks):
+            (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sink.records))
     result = ceiling(by_source(sinks[0].records, args.workload), by_source(sinks[1].records, args.workload))
     result.update(pair=args.pair, workload=args.workload, requests=args.requests, compile=args.compile,
                   goodput_tok_s={"suffix": round(measured[0]["goodput_tok_s"], 1),
