@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ab_settings", ROOT / "scripts" / "ab_settings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ab_settings")
 
 
 def test_paired_ratio_compares_within_a_round():

@@ -3,19 +3,13 @@ drafts by diffusion elsewhere at the adaptive policy's measured rate."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("source_ceiling", ROOT / "scripts" / "source_ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("source_ceiling")
 
 
 def _records(rid: str, steps: list[tuple[str, int, float]], temperature: float = 0.0) -> list[dict]:
