@@ -81,7 +81,6 @@ class AdaptiveSettings(_Settings):
     priority_weight: float = Field(default=None)
     flat_share: float = Field(default=None)
     replan_every: int = Field(default=None)
-    replan_drift: float = Field(default=None)
     idle_decay: float = Field(default=None)
     no_draft_margin: float = Field(default=None)
     use_suffix: bool = Field(default=None)

@@ -99,8 +99,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 16, replan_drift: float = 0.2, idle_decay: float = 0.85,
-                 no_draft_margin: float = 0.05,
+                 replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
@@ -165,11 +164,7 @@ class AdaptivePolicy(Policy):
         if not isinstance(replan_every, int) or replan_every < 1:
             raise ValueError(f"replan_every: must be an integer >= 1, got {replan_every!r}")
         self.replan_every = replan_every
-        if not replan_drift >= 0:
-            raise ValueError(f"replan_drift: must be >= 0, got {replan_drift!r}")
-        self.replan_drift = float(replan_drift)
         self._plan = None
-        self._plan_recent = None  # [B] the rows' recent acceptance the plan read
         self.sla_weight, self.sla_slack, self.priority_weight = float(sla_weight), float(sla_slack), float(priority_weight)
         if not 0.0 <= idle_decay <= 1.0:
             raise ValueError(f"idle_decay: must be in [0, 1], got {idle_decay!r}")
@@ -377,30 +372,17 @@ class AdaptivePolicy(Policy):
             steps = torch.full((B,), self.steps_grid[0], dtype=torch.int64)
             extra, toks = torch.full((B,), float("inf")), torch.full((B,), float(K + 1))
         else:
-            # the step plan moves slowly (lateness; recent acceptance, mostly): re-plan every few
-            # steps while the batch keeps the same requests, and as soon as a row's recent
-            # acceptance moved by `replan_drift` since the plan read it (a run of failed drafts,
-            # or a row's first verified one)
+            # the step plan moves slowly (recent acceptance, lateness): re-plan every few steps
+            # while the batch keeps the same requests
             key = tuple(rows.request_ids)
-            recent = rows.recent_accept
-            if (self._plan is not None and self._plan[0] == key and self._plan[1] < self.replan_every
-                    and not self._drifted(recent)):
+            if self._plan is not None and self._plan[0] == key and self._plan[1] < self.replan_every:
                 self._plan = (key, self._plan[1] + 1, *self._plan[2:])
             else:
                 self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
-                self._plan_recent = recent.clone()
             steps, extra, toks = self._plan[2], self._plan[3], self._plan[4]
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
             steps = self._take_suffix(rows, ctx, steps, extra, toks)
         return steps
-
-    def _drifted(self, recent: torch.Tensor) -> bool:
-        """Whether some row's recent acceptance [B] moved by more than `replan_drift` since the
-        plan read it."""
-        planned = self._plan_recent
-        if planned is None or planned.shape != recent.shape:
-            return False
-        return bool(((recent - planned).abs() > self.replan_drift).any())
 
     @property
     def reads_suffix(self) -> bool:

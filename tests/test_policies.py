@@ -502,26 +502,3 @@ def test_request_book_measures_time_per_token_as_the_client_does():
     assert policy.book.wall_clock
     with pytest.raises(ValueError, match="sla_clock"):
         AdaptivePolicy(sla_clock="cpu")
-
-
-def test_adaptive_replans_when_a_rows_recent_acceptance_moves():
-    """The plan is kept for `replan_every` steps, but a run of failed drafts (recent acceptance
-    falling past `replan_drift` from what the plan read) re-plans at once: the row stops drafting
-    within the streak, not up to 16 steps later."""
-    import dataclasses
-
-    from adapt.cost_model import CostModel, Table
-
-    cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [3.0, 3.0]))
-    rows = dataclasses.replace(make_rows(1, 16, temperature=[0.0]), recent_accept=torch.tensor([0.6]))
-    p = policies.get("adaptive", cost=cost)
-    assert p.choose_steps(rows).tolist() == [1]
-    small = dataclasses.replace(rows, recent_accept=torch.tensor([0.5]))  # within the drift: the plan holds
-    assert p.choose_steps(small).tolist() == [1] and p._plan[1] == 2
-    failed = dataclasses.replace(rows, recent_accept=torch.tensor([0.0]))
-    assert p.choose_steps(failed).tolist() == [0] and p._plan[1] == 1  # re-planned: no draft
-    keep = policies.get("adaptive", cost=cost, replan_drift=2.0)  # never drifts: the old cadence
-    keep.choose_steps(rows)
-    assert keep.choose_steps(failed).tolist() == [1]
-    with pytest.raises(ValueError, match="replan_drift"):
-        policies.get("adaptive", replan_drift=-0.1)
