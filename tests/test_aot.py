@@ -1,7 +1,7 @@
 """Ahead-of-time compiled decode packages (workers/aot.py, `compile="aot"`, `adapt compile`).
 
-One pair of packages (the target's decode forward, the drafter's denoising pass) is built per
-module for a tiny fp32 pair (AOTInductor compiles them: most of this file's time), in a temporary
+One set of packages (the target's decode forward, the drafter's denoising pass and its context
+commit) is built per module for a tiny fp32 pair (AOTInductor compiles them: most of this file's time), in a temporary
 cache directory. Greedy decoding through it is token for token the target's
 own (plain transformers), for rows that draft and rows that do not, one row and several, joining
 mid-run; a second engine loads the package without building; an engine of another shape finds no
@@ -17,8 +17,8 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import MIN_BLOCK, AotDraftPass, AotTarget, compile_options, list_packages, package_dir
-from workers.engine import Engine, EngineConfig
+from workers.aot import MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, compile_options, list_packages, package_dir
+from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
 MAX_TOKENS = 20
@@ -45,11 +45,50 @@ def test_the_engine_builds_its_package_and_decodes_through_it(built):
     assert info["built"] and info["build_s"] > 0 and info["key"] in info["path"]
     assert info["path"].startswith(str(package_dir(cache)))
     assert not engine.pack  # verification is padded: the program runs it whole
-    pkg, draft = list_packages(cache)
-    assert pkg["kind"] == "decode" and draft["kind"] == "draft"
+    pkg, draft, context = list_packages(cache)
+    assert pkg["kind"] == "decode" and draft["kind"] == "draft" and context["kind"] == "context"
     assert pkg["cache_shape"][0] == 3 and pkg["tmax"] == engine.block + 1 and pkg["capture"] == list(engine.capture)
     assert isinstance(engine.drafting.program, AotDraftPass) and info["drafter"]["path"] == draft["path"]
     assert draft["cache_shape"][0] == 3 and draft["qmax"] == engine.block + 1 and info["drafter"]["built"]
+    assert isinstance(engine.drafting.writer, AotContextWrite) and info["context"]["path"] == context["path"]
+    assert context["pmax"] == PENDING_WINDOW and context["width"] == engine.drafting.pending.shape[-1]
+
+
+class _Row:
+    """What `DrafterContext.flush` reads of a running request."""
+
+    def __init__(self, ctx_len: int, length: int):
+        self.ctx_len, self.length = ctx_len, length
+
+
+def test_the_context_package_writes_the_eager_commit(built):
+    """`flush` through the program writes the drafter-context K/V the eager commit writes, for
+    one row, a slice of rows at one start, and scattered rows at their own starts (padding past
+    a row's own count included), and marks the rows committed."""
+    _, _, _, engine = built
+    d = engine.drafting
+    writer, gen = d.writer, torch.Generator().manual_seed(4)
+    cases = [([(10, 13)], [0]), ([(7, 12), (7, 9), (7, 8)], [0, 1, 2]), ([(20, 21), (5, 5), (31, 40)], [0, 2]),
+             ([(3, 3), (0, PENDING_WINDOW)], [1])]
+    for spans, idx in cases:
+        d.pending.normal_(generator=gen)
+        written = []
+        for use in (None, writer):
+            for t in (*d.cache.k, *d.cache.v):
+                t.zero_()
+            rows = [_Row(a, b) for a, b in spans]
+            d.writer = use
+            calls = writer.calls
+            d.flush(rows, idx)
+            assert writer.calls == calls + (use is not None)
+            assert all(r.ctx_len == r.length for i, r in enumerate(rows) if i in idx)
+            written.append([t.clone() for t in (*d.cache.k, *d.cache.v)])
+        d.writer = writer
+        for i in idx:  # each flushed row's own positions [ctx_len, length)
+            a, b = spans[i]
+            for eager, program in zip(*written):
+                torch.testing.assert_close(program[i, :, a:b], eager[i, :, a:b], rtol=1e-4, atol=1e-4)
+    assert writer.fits(3, PENDING_WINDOW) and not writer.fits(4, 1) and not writer.fits(1, PENDING_WINDOW + 1)
 
 
 def test_the_drafter_package_computes_the_eager_pass(built):
@@ -84,7 +123,7 @@ def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     want = greedy_reference(target, prompts, MAX_TOKENS)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=4), DecodeKnobs(steps=1, draft_len=16)]
-    before, passes = dict(engine.target_forward.calls), engine.drafting.program.calls
+    before, passes, writes = dict(engine.target_forward.calls), engine.drafting.program.calls, engine.drafting.writer.calls
     for i, (p, kn) in enumerate(zip(prompts, knobs)):  # one row at a time
         got = run_to_completion(engine, [(f"one{i}", p, params, kn)])
         assert got[f"one{i}"] == want[i], kn
@@ -96,6 +135,7 @@ def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     assert calls["program"] - before["program"] > 3 * MAX_TOKENS // 2  # the decode steps ran the program
     assert calls["eager"] - before["eager"] <= 6  # prefills
     assert engine.drafting.program.calls - passes > MAX_TOKENS // 4  # one-row passes ran the drafter's program
+    assert engine.drafting.writer.calls - writes > MAX_TOKENS // 4  # context commits ran their program
 
 
 def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
@@ -118,8 +158,8 @@ def test_without_a_package_auto_decodes_eagerly_and_builds_nothing(built, monkey
     other = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=2, max_len=96,
                                 **compile_options("auto")))  # another shape: its package is not built
     assert not other.aot and other.aot_info == {} and not isinstance(other.target_forward, AotTarget)
-    assert other.pack and other.drafting.program is None  # eager CPU engines pack their verification
-    assert len(list_packages(cache)) == 2
+    assert other.pack and other.drafting.program is None and other.drafting.writer is None  # eager CPU engines pack their verification
+    assert len(list_packages(cache)) == 3
     out = run_to_completion(other, [("e", [5, 3, 7], SamplingParams(max_tokens=6, ignore_eos=True), DecodeKnobs())])
     assert len(out["e"]) == 6
 
@@ -151,11 +191,12 @@ def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
     assert report["max_batch"] == 3 and not report["built"] and report["path"] == engine.aot_info["path"]
     assert main(["compile", "--list"]) == 0
     listed = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert [x["path"] for x in listed] == [engine.aot_info["path"], engine.aot_info["drafter"]["path"]]
+    assert [x["path"] for x in listed] == [engine.aot_info[k]["path"] if k else engine.aot_info["path"]
+                                           for k in (None, "drafter", "context")]
     assert main(["compile", "--max-batch", "0"]) == 2
     assert "--max-batch" in capsys.readouterr().err
     assert main(["compile", "--clear"]) == 0
-    assert "removed 2 package" in capsys.readouterr().out and list_packages(cache) == []
+    assert "removed 3 package" in capsys.readouterr().out and list_packages(cache) == []
 
 
 def test_compile_options_of_the_clis():

@@ -16,7 +16,13 @@ The drafter's denoising pass (`BlockDiffusionDrafter.block_logits`) gets a packa
 (`draft-<key>.pt2`, `DraftPass`): rows `1 .. max_batch` drafting together, `3 .. K + 1` block
 positions (an anchor and at least two drafts), any window over the drafter-context cache, the
 mask always given. Passes over a subset of the rows (gathered copies of their context) or over a
-block of two positions run eagerly. The drafter-context commits (`context_kv`) stay eager.
+block of two positions run eagerly.
+
+The drafter-context commit (`DrafterContext.flush`: `BlockDiffusionDrafter.context_kv` of stashed
+target hidden states, written into the drafter-context cache) gets a third package
+(`context-<key>.pt2`, `ContextWrite`): any rows `1 .. max_batch`, each at its own start position,
+`1 .. pmax` stashed positions. Eager, its ~25 small bf16 ops cost ~1 ms of a SmolLM2 drafting
+step; one program call ~0.2 ms. Prompts' contexts (prefills) stay eager.
 
 A package holds the target's weights as constants and the cache's shape as a constant, so its
 **key** covers what it was built from: the weights' bytes, dtype, captured layers, cache shape
@@ -46,6 +52,7 @@ from workers.pull import cache_root
 PACKAGE_FORMAT = 1
 SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in workers/: the forward's code
 DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
+PACKAGE_KINDS = ("decode", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
 MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 
 
@@ -213,6 +220,70 @@ def build_draft_package(drafter: nn.Module, cache, qmax: int, path: Path) -> flo
     return _package(DraftPassForward(drafter).eval(), example, dynamic, path)
 
 
+class ContextWriteForward(nn.Module):
+    """What a drafter-context package runs: the commit of `DrafterContext.flush` in place.
+
+    hidden [n, P, width] target hidden states of positions start .. start + P − 1 of slots
+    `rows` [n] int64 (start [n] int64), kv: the drafter-context cache's L key tensors then L value
+    tensors, each [max_batch, kv_heads, cache length, head_dim]. Positions past the cache's end
+    are clamped onto its last column (callers send such entries only as padding, masked and later
+    overwritten). Returns each row's last position written [n] (export wants an output)."""
+
+    def __init__(self, drafter: nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, hidden, rows, start, *kv):
+        layers, (_, kvh, length, _) = len(kv) // 2, kv[0].shape
+        pos = (start[:, None] + torch.arange(hidden.shape[1], device=start.device)).clamp(max=length - 1)  # [n, P]
+        heads = torch.arange(kvh, device=start.device)
+        index = (rows[:, None, None], heads[None, :, None], pos[:, None, :])  # -> [n, kvh, P]
+        for i, (k, v) in enumerate(self.drafter.context_kv(hidden, pos, bound=length)):  # each [n, kvh, P, d]
+            kv[i].index_put_(index, k.to(kv[i].dtype))
+            kv[layers + i].index_put_(index, v.to(kv[i].dtype))
+        return pos[:, -1]
+
+
+def context_facts(drafter: nn.Module, cache, pmax: int, width: int, dtype: torch.dtype) -> dict:
+    """What a drafter-context package depends on besides the weights (`drafter_digest`)."""
+    return {**_shared_facts(DRAFT_SOURCES, cache), "kind": "context", "dtype": str(drafter.mask_embedding.dtype),
+            "drafter": drafter.config.to_dict(), "pmax": int(pmax), "width": int(width), "hidden_dtype": str(dtype)}
+
+
+def build_context_package(drafter: nn.Module, cache, pmax: int, width: int, dtype: torch.dtype, path: Path) -> float:
+    """Export `ContextWriteForward` (rows 1 .. max_batch, 1 .. pmax positions of `width` hidden
+    features in `dtype`) and compile it into the package `path`. Returns the seconds."""
+    max_batch, dev = cache.k[0].shape[0], cache.k[0].device
+    n, P = min(2, max_batch), min(3, pmax)
+    kv = tuple(torch.zeros_like(t) for t in cache.k) + tuple(torch.zeros_like(t) for t in cache.v)
+    example = (torch.zeros(n, P, width, dtype=dtype, device=dev), torch.arange(n, device=dev),
+               torch.full((n,), 4, dtype=torch.long, device=dev), *kv)
+    Dim = torch.export.Dim
+    rows = Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC
+    dynamic = {"hidden": {0: rows, 1: Dim("positions", min=1, max=pmax) if pmax > 1 else Dim.STATIC},
+               "rows": {0: rows}, "start": {0: rows}, "kv": tuple(None for _ in kv)}
+    return _package(ContextWriteForward(drafter).eval(), example, dynamic, path)
+
+
+class AotContextWrite:
+    """The drafter-context commit from a loaded package: `(hidden, rows, start)` as
+    `ContextWriteForward` takes them, over the engine's drafter-context cache (`DrafterContext.flush`
+    calls it where it `fits`; elsewhere the eager commit runs). `calls` counts its runs."""
+
+    def __init__(self, cache, runner, pmax: int):
+        self.max_batch, self.pmax = cache.k[0].shape[0], pmax
+        self.kv = list(cache.k) + list(cache.v)
+        self.loader = runner.loader
+        self.calls = 0
+
+    def fits(self, rows: int, positions: int) -> bool:
+        return 1 <= rows <= self.max_batch and 1 <= positions <= self.pmax
+
+    def __call__(self, hidden, rows, start) -> None:
+        self.calls += 1
+        self.loader.boxed_run([hidden, rows, start, *self.kv])
+
+
 class AotDraftPass:
     """The drafter's denoising pass from a loaded package: `(tokens, masked, mask, cos, sin)` as
     `DraftPassForward` takes them, over the engine's drafter-context cache (`DrafterContext`
@@ -291,6 +362,17 @@ def aot_draft_pass(drafter: nn.Module, cache, qmax: int, cache_dir: str | Path |
     return AotDraftPass(cache, runner, qmax), info
 
 
+def aot_context_write(drafter: nn.Module, cache, pmax: int, width: int, dtype: torch.dtype,
+                      cache_dir: str | Path | None = None, build: bool = True, log=None) -> tuple[AotContextWrite, dict]:
+    """The drafter's `AotContextWrite` over the drafter-context cache `cache` for up to `pmax`
+    stashed positions of `width` hidden features (`dtype`), loaded or built as `aot_target` does."""
+    runner, info = _load_package(
+        "context", context_facts(drafter, cache, pmax, width, dtype), lambda: drafter_digest(drafter),
+        lambda path: build_context_package(drafter, cache, pmax, width, dtype, path), cache_dir, build, log,
+        "the drafter's context commit", "about half a minute")
+    return AotContextWrite(cache, runner, pmax), info
+
+
 def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: bool, log, what: str,
                   how_long: str):
     """Load the package `<prefix>-<key>.pt2` for `facts` and the weights `digest()`, building it
@@ -334,8 +416,8 @@ def _facts_files(folder: Path, prefix: str) -> list[dict]:
 
 
 def _package_files(folder: Path) -> list[Path]:
-    """The packages in `folder`: the targets' decode steps, then the drafters' passes."""
-    return [p for kind in ("decode", "draft") for p in sorted(folder.glob(f"{kind}-*.pt2"))]
+    """The packages in `folder`: the targets' decode steps, the drafters' passes, their context commits."""
+    return [p for kind in PACKAGE_KINDS for p in sorted(folder.glob(f"{kind}-*.pt2"))]
 
 
 def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
@@ -344,7 +426,7 @@ def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
     for pt2 in _package_files(package_dir(cache_dir)):
         meta = pt2.with_suffix(".json")
         facts = json.loads(meta.read_text()) if meta.is_file() else {}
-        kind = pt2.name.split("-", 1)[0]  # decode (the target's forward) or draft (the drafter's pass)
+        kind = pt2.name.split("-", 1)[0]  # one of PACKAGE_KINDS
         out.append({"path": str(pt2), "kind": kind, "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
     return out
 

@@ -125,6 +125,8 @@ class DrafterContext:
         # the denoising pass from a compiled package (workers/aot.py `AotDraftPass`), or None:
         # it takes passes over every row (the cache's first slots) where it `fits`
         self.program = None
+        # the context commit of `flush` from a compiled package (`AotContextWrite`), or None
+        self.writer = None
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -164,7 +166,12 @@ class DrafterContext:
         bound = self.cache.max_len
         starts = [running[i].ctx_len for i in idx]
         common = common_value(starts)
-        if common is not None and idx == list(range(idx[0], idx[0] + len(idx))):  # a slice of rows, one start
+        contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+        if self.writer is not None and self.writer.fits(len(idx), P):  # one program call
+            rows = torch.tensor(idx, device=dev)
+            hidden = self.pending[idx[0] : idx[0] + len(idx), :P].contiguous() if contiguous else self.pending[rows, :P]
+            self.writer(hidden, rows, torch.tensor(starts, device=dev))
+        elif common is not None and contiguous:  # a slice of rows, one start
             # fresh contiguous tensors, as the gathered rows below are, whatever P: a compiled
             # context_kv then has the same programs for both (a slice of the stash is contiguous
             # only when P = PENDING_WINDOW, and is not an inference tensor)

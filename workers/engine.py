@@ -243,16 +243,24 @@ class Engine:
             self.aot = False
 
     def _load_aot_drafter(self, build: bool) -> None:
-        """The drafter's denoising pass from its compiled package (`aot_info["drafter"]`), built
-        first when missing if `build`; else, when missing, eager passes."""
-        from workers.aot import aot_draft_pass
+        """The drafter's denoising pass and its context commit from their compiled packages
+        (`aot_info["drafter"]`, `aot_info["context"]`), built first when missing if `build`; else,
+        when missing, eager passes / commits."""
+        from workers.aot import aot_context_write, aot_draft_pass
 
         log = logging.getLogger(__name__)
+        d = self.drafting
         try:
-            self.drafting.program, self.aot_info["drafter"] = aot_draft_pass(
-                self.drafter, self.drafting.cache, self.block + 1, build=build, log=log.warning)
+            d.program, self.aot_info["drafter"] = aot_draft_pass(self.drafter, d.cache, self.block + 1, build=build,
+                                                                 log=log.warning)
         except FileNotFoundError as err:
             log.info("eager drafter passes: %s", err)
+        try:
+            d.writer, self.aot_info["context"] = aot_context_write(self.drafter, d.cache, PENDING_WINDOW,
+                                                                   d.pending.shape[-1], d.pending.dtype,
+                                                                   build=build, log=log.warning)
+        except FileNotFoundError as err:
+            log.info("eager drafter-context commits: %s", err)
 
     @property
     def dcache(self):
