@@ -138,6 +138,53 @@ def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     assert engine.drafting.writer.calls - writes > MAX_TOKENS // 4  # context commits ran their program
 
 
+def test_padded_calls_return_what_unpadded_calls_return(built):
+    """A call padded to more tokens per row (`AotTarget.pad`) gives the logits and hidden states
+    of its real positions as the unpadded call does; calibration reports every candidate shape."""
+    _, _, _, engine = built
+    aot, cache = engine.target_forward, engine.tcache
+    gen = torch.Generator().manual_seed(6)
+    for t in (*cache.k, *cache.v):
+        t.normal_(generator=gen)
+    saved = dict(aot.pad)
+    try:
+        for B, T, T2 in ((1, 1, 4), (1, 2, 3), (2, 1, 2), (3, 1, 2)):
+            ids = torch.randint(0, engine.vocab, (B, T), generator=gen)
+            start = torch.tensor([20, 23, 17][:B])
+            outs = []
+            for pad in ({}, {(B, T): T2}):
+                aot.pad = pad
+                logits, hidden = aot(ids, start, cache, 0, 23 + T, start_value=None)
+                outs.append((logits.clone(), hidden.clone()))
+            assert outs[1][0].shape == (B, T, engine.vocab) and outs[1][1].shape == outs[0][1].shape
+            torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+        report = aot.calibrate_padding(reps=2)
+        assert set(report) == {"1x1", "1x2", "1x3", "2x1", "3x1"}
+        assert all(len(v) == 3 and v[0] > 0 and v[1] > 0 for v in report.values())
+        assert set(aot.pad) == {tuple(int(x) for x in k.split("x")) for k, v in report.items() if v[2]}
+    finally:
+        aot.pad = saved
+
+
+def test_greedy_decoding_through_padded_calls_is_the_targets_own(built):
+    target, _, _, engine = built
+    prompts = [[5, 3, 7], list(range(2, 12)), [9, 1, 4, 4, 2, 8]]
+    want = greedy_reference(target, prompts, MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=1), DecodeKnobs(steps=1, draft_len=2)]
+    saved, engine.target_forward.pad = engine.target_forward.pad, {(1, 1): 4, (1, 2): 4, (1, 3): 4, (2, 1): 2,
+                                                                   (2, 2): 3, (3, 1): 2}
+    try:
+        adds = [(f"pad{i}", p, params, kn) for i, (p, kn) in enumerate(zip(prompts, knobs))]
+        got = run_to_completion(engine, adds, join_after={"pad2": 4})
+        assert [got[f"pad{i}"] for i in range(3)] == want
+        for i, (p, kn) in enumerate(zip(prompts, knobs)):  # one row at a time: 1 x 1, 1 x 2, 1 x 3 padded
+            assert run_to_completion(engine, [(f"one{i}", p, params, kn)])[f"one{i}"] == want[i]
+    finally:
+        engine.target_forward.pad = saved
+
+
 def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
     target, drafter, cache, engine = built
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))

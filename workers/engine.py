@@ -85,7 +85,9 @@ class EngineConfig:
     directory (workers/aot.py: loaded in about a second; `Engine.aot_info` says which);
     aot_build: with "aot", build the package when it is missing (minutes, once per machine and
     engine shape), else decode eagerly when it is missing (what `adapt serve` and `adapt generate`
-    do by default, so that `adapt compile` once makes them faster); suffix:
+    do by default, so that `adapt compile` once makes them faster); aot_pad: with "aot" on a
+    CPU, measure at load whether decode calls of very few tokens run faster padded to a few more
+    (`AotTarget.calibrate_padding`, ~1 s; `aot_info["pad"]`) and pad those that do; suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
     (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
@@ -112,6 +114,7 @@ class EngineConfig:
     wide_rows: int | Literal["auto"] = "auto"
     compile: bool | str = False
     aot_build: bool = True
+    aot_pad: bool = True
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
     pack: bool | str = "auto"
@@ -238,6 +241,8 @@ class Engine:
         try:
             self.target_forward, self.aot_info = aot_target(self.target, self.capture, self.tcache, self.width + 1,
                                                             build=build, log=log.warning)
+            if self.device.type == "cpu" and self.config.aot_pad:  # few-token calls run padded where faster
+                self.aot_info["pad"] = self.target_forward.calibrate_padding()
         except FileNotFoundError as err:
             log.info("eager decode steps: %s", err)
             self.aot = False
