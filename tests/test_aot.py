@@ -22,6 +22,7 @@ from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
 MAX_TOKENS = 20
+PROMPTS = [[5, 3, 7], list(range(2, 12)), [9, 1, 4, 4, 2, 8]]  # greedy decoding checks: three rows of unequal lengths
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -119,9 +120,8 @@ def test_the_drafter_package_computes_the_eager_pass(built):
 
 def test_greedy_decoding_through_the_package_is_the_targets_own(built):
     target, drafter, cache, engine = built
-    prompts = [[5, 3, 7], list(range(2, 12)), [9, 1, 4, 4, 2, 8]]
+    prompts, params = PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = greedy_reference(target, prompts, MAX_TOKENS)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=4), DecodeKnobs(steps=1, draft_len=16)]
     before, passes, writes = dict(engine.target_forward.calls), engine.drafting.program.calls, engine.drafting.writer.calls
     for i, (p, kn) in enumerate(zip(prompts, knobs)):  # one row at a time
@@ -169,9 +169,8 @@ def test_padded_calls_return_what_unpadded_calls_return(built):
 
 def test_greedy_decoding_through_padded_calls_is_the_targets_own(built):
     target, _, _, engine = built
-    prompts = [[5, 3, 7], list(range(2, 12)), [9, 1, 4, 4, 2, 8]]
+    prompts, params = PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = greedy_reference(target, prompts, MAX_TOKENS)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=2, draft_len=1), DecodeKnobs(steps=1, draft_len=2)]
     saved, engine.target_forward.pad = engine.target_forward.pad, {(1, 1): 4, (1, 2): 4, (1, 3): 4, (2, 1): 2,
                                                                    (2, 2): 3, (3, 1): 2}
