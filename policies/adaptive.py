@@ -101,6 +101,7 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
+                 suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
@@ -133,6 +134,9 @@ class AdaptivePolicy(Policy):
         if suffix_margin < 0:
             raise ValueError(f"suffix_margin: must be >= 0, got {suffix_margin!r}")
         self.suffix_margin = float(suffix_margin)
+        if not isinstance(suffix_first, bool):
+            raise ValueError(f"suffix_first: must be true or false, got {suffix_first!r}")
+        self.suffix_first = suffix_first  # every row with a suffix draft takes all of it (`_take_suffix`)
         self.suffix_accept = check_suffix_accept(suffix_accept)
         self.suffix_vote = bool(suffix_vote)  # read the drafts' vote shares (with the table's vote_scale)
         # online recalibration of suffix acceptance (see `suffix_accept_ratio`): decayed sums of the
@@ -403,7 +407,10 @@ class AdaptivePolicy(Policy):
         confident copy takes many slots while a weak match takes few or none. The candidate
         that maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_r w_r · max(0, win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
-        diffusion row that switches no longer pays its drafter passes)."""
+        diffusion row that switches no longer pays its drafter passes).
+
+        With ``suffix_first`` every row that has a suffix draft takes the whole of it, whatever its
+        plan (static suffix drafting's choice, kept where the suffix drafter has nothing)."""
         from workers.decisions import SUFFIX
 
         B = len(rows.request_ids)
@@ -412,6 +419,12 @@ class AdaptivePolicy(Policy):
         vote = getattr(rows, "suffix_vote", None) if self.suffix_vote else None
         by_table = suffix_draft_accept(self.suffix_accept, rows.suffix_match.cpu(),    # [B, Ks] accepted, 0 past the draft
                                        None if vote is None else vote.cpu()[:, :Ks], n, rows.temperature.cpu() > 0)
+        if self.suffix_first:  # copy first: as static suffix drafting, over the plan where a draft exists
+            take = n > 0
+            self._suffix_pred = None
+            self._suffix_k = torch.where(take, n, 0).to(torch.int64)
+            self._suffix_expect = torch.where(take, by_table.sum(1), 0.0)               # [B] before recalibration
+            return torch.where(take, SUFFIX, steps)
         w = self.weights(ctx).cpu()                                                    # [B]
         slot = (by_table * self.suffix_row_ratio(ctx)[:, None]).clamp(max=1.0)         # recalibrated online
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted

@@ -304,6 +304,37 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                                                                                          [0, 1, 2, 2, 2]]
 
 
+def test_suffix_first_takes_every_suffix_draft_whole():
+    """With ``suffix_first`` the rows of the step above that have a suffix draft take all of it,
+    the weak match too (the choice declines it), and the learned acceptance hears what the table
+    predicted of each; rows without one keep their plan."""
+    import dataclasses
+
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    B = 3
+    rows = RowState(request_ids=["strong", "weak", "none"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
+                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
+                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([8, 2, 0]),
+                    suffix_score=torch.tensor([7.0, 0.6, 0.0]), suffix_match=torch.tensor([32, 2, 0]),
+                    packed_verify=True)
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    chosen = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
+    assert chosen.choose_steps(rows).tolist() == [SUFFIX, 0, 0]
+    first = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_first=True)
+    assert first.choose_steps(rows).tolist() == [SUFFIX, SUFFIX, 0]
+    assert first._suffix_k.tolist() == [8, 2, 0]
+    expect = first._suffix_expect.tolist()
+    assert expect[0] > expect[1] > 0 and expect[2] == 0
+    with pytest.raises(ValueError, match="suffix_first"):
+        AdaptivePolicy(suffix_first="yes")
+
+
 def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one():
     """Two rows with the same match length (4) and draft length (4): one draft's tokens are
     unanimous, the other's first token had a third of the votes. With the fitted table's vote
