@@ -144,3 +144,36 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
     d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
                                             exact_rules(rows.temperature, cond), cond))
     assert int(d.draft_len[0]) < 5
+
+
+def test_a_suffix_row_verifying_past_the_span_beside_a_sampled_diffusion_row():
+    """A greedy row copying 8-token suffix drafts (its own earlier answer, in the suffix drafter's
+    memory) beside a sampled row whose diffusion drafts span 2 positions: q is 2 wide, the copy
+    verifies up to 8 in the same step (this raised an IndexError before stop 44). The copy's
+    output is still the target's own."""
+    engine = _engine()
+    widths = []
+    verify = engine.verifier.verify
+
+    def spy(batch, logits, drafts, q, *rest, **kw):
+        widths.append((max(batch.plan.draft_len_host), None if q is None else q.shape[1]))
+        return verify(batch, logits, drafts, q, *rest, **kw)
+
+    engine.verifier.verify = spy
+    prompt, greedy = PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(reqs):
+        for rid, p, sp, kn in reqs:
+            engine.add_request(rid, p, sp, kn)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    want = run([("first", prompt, greedy, DecodeKnobs(draft_len=0))])["first"]
+    got = run([("copy", prompt, greedy, DecodeKnobs(source="suffix", draft_len=8)),
+               ("diff", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True),
+                DecodeKnobs(steps=1, draft_len=2))])
+    assert got["copy"] == want and len(got["diff"]) == 40
+    assert any(q == 2 and k > 2 for k, q in widths)  # the case itself happened

@@ -298,7 +298,8 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
             c = e = mg = torch.zeros(len(rows), span, device=dev)
         if len(rows) == B and span == K:
             tokens, conf, ent, margin, q_all = tok_d, c, e, mg, q_d
-        else:  # q stays `span` wide: no row verifies past it (`Engine._plan` caps k)
+        else:  # q stays `span` wide: no diffusion row verifies past it (`Engine._plan` caps k; a
+            # suffix row may, and `Verifier.ragged` pads q for it)
             sel = torch.tensor(rows, device=dev)
             tokens[sel, :span], conf[sel, :span], ent[sel, :span], margin[sel, :span] = tok_d, c, e, mg
             q_all = q_d if len(rows) == B else torch.zeros(B, span, q_d.shape[-1], device=dev).index_copy_(0, sel, q_d)

@@ -97,6 +97,8 @@ class Verifier:
         lay, k_host = plan.layout, plan.draft_len_host
         kmax, n = Tq - 1, lay.num_drafts
         needs_q = any(rr in USES_DRAFT_PROBS for rr, kk in zip(plan.rule_host, k_host) if kk > 0)
+        if needs_q and q.shape[1] < kmax:  # q is the diffusion span wide; a suffix row may verify past it
+            q = torch.nn.functional.pad(q, (0, 0, 0, kmax - q.shape[1]))               # [B, kmax, Vd], zeros past the span
         if packed is not None:  # the forward gave the ragged target rows already
             logits_flat = logits                                   # [n + B, V]
             draft_flat = drafts[lay.draft_row, lay.draft_col]      # [n]
