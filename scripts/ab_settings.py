@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="off", choices=("off", "aot"),
                    help="the engines' decode steps: eager, or the compiled package (workers/aot.py; built first "
                         "when missing)")
+    p.add_argument("--aot-pad", default="off", choices=("on", "off"),
+                   help="with --compile aot: pad few-token decode calls where measured faster (EngineConfig.aot_pad, "
+                        "default off as the engine's)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]
@@ -121,6 +124,9 @@ def main(argv=None) -> int:
     loads = [int(x) for x in args.loads.split(",")]
     longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
     engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest, compile=args.compile)
+    if args.aot_pad == "on" and engine.aot:  # before the profile and the copies (which take its config)
+        engine.config.aot_pad = True
+        engine.aot_info["pad"] = engine.target_forward.calibrate_padding()
     pf = load(args.policy_file)
     pf.cost = profile_engine(engine)
     K = engine.block

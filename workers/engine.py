@@ -87,7 +87,9 @@ class EngineConfig:
     engine shape), else decode eagerly when it is missing (what `adapt serve` and `adapt generate`
     do by default, so that `adapt compile` once makes them faster); aot_pad: with "aot" on a
     CPU, measure at load whether decode calls of very few tokens run faster padded to a few more
-    (`AotTarget.calibrate_padding`, ~1 s; `aot_info["pad"]`) and pad those that do; suffix:
+    (`AotTarget.calibrate_padding`, ~1.5 s; `aot_info["pad"]`) and pad those that do (off by
+    default: faster steps at one row, but the adaptive policy's choices at 2 and 8 rows lost ~7 %
+    with it, docs/engine.md); suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
     (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
@@ -114,7 +116,7 @@ class EngineConfig:
     wide_rows: int | Literal["auto"] = "auto"
     compile: bool | str = False
     aot_build: bool = True
-    aot_pad: bool = True
+    aot_pad: bool = False
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
     pack: bool | str = "auto"
