@@ -123,10 +123,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     loads = [int(x) for x in args.loads.split(",")]
     longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
-    engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest, compile=args.compile)
-    if args.aot_pad == "on" and engine.aot:  # before the profile and the copies (which take its config)
-        engine.config.aot_pad = True
-        engine.aot_info["pad"] = engine.target_forward.calibrate_padding()
+    engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest, compile=args.compile,
+                                      aot_pad=args.aot_pad == "on")
     pf = load(args.policy_file)
     pf.cost = profile_engine(engine)
     K = engine.block

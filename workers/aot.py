@@ -52,6 +52,7 @@ from workers.pull import cache_root
 PACKAGE_FORMAT = 1
 SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in workers/: the forward's code
 DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
+CONTEXT_SOURCES = (*DRAFT_SOURCES, "target_model.py")  # the context commit's code (its cache write: `write_kv`)
 PACKAGE_KINDS = ("decode", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
 MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 
@@ -234,19 +235,19 @@ class ContextWriteForward(nn.Module):
         self.drafter = drafter
 
     def forward(self, hidden, rows, start, *kv):
+        from workers.target_model import write_kv
+
         layers, (_, kvh, length, _) = len(kv) // 2, kv[0].shape
         pos = (start[:, None] + torch.arange(hidden.shape[1], device=start.device)).clamp(max=length - 1)  # [n, P]
-        heads = torch.arange(kvh, device=start.device)
-        index = (rows[:, None, None], heads[None, :, None], pos[:, None, :])  # -> [n, kvh, P]
+        index = (rows[:, None, None], torch.arange(kvh, device=start.device)[None, None, :], pos[:, :, None])
         for i, (k, v) in enumerate(self.drafter.context_kv(hidden, pos, bound=length)):  # each [n, kvh, P, d]
-            kv[i].index_put_(index, k.to(kv[i].dtype))
-            kv[layers + i].index_put_(index, v.to(kv[i].dtype))
+            write_kv(None, None, (kv[i], kv[layers + i], index), k.transpose(1, 2), v.transpose(1, 2))
         return pos[:, -1]
 
 
 def context_facts(drafter: nn.Module, cache, pmax: int, width: int, dtype: torch.dtype) -> dict:
     """What a drafter-context package depends on besides the weights (`drafter_digest`)."""
-    return {**_shared_facts(DRAFT_SOURCES, cache), "kind": "context", "dtype": str(drafter.mask_embedding.dtype),
+    return {**_shared_facts(CONTEXT_SOURCES, cache), "kind": "context", "dtype": str(drafter.mask_embedding.dtype),
             "drafter": drafter.config.to_dict(), "pmax": int(pmax), "width": int(width), "hidden_dtype": str(dtype)}
 
 

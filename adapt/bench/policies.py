@@ -158,11 +158,13 @@ def chat_prompt_limit(length: int) -> int:
     return 4 * length + 256
 
 
-def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off"):
+def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off",
+                    aot_pad: bool = False):
     """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
     `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens) plus
-    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`). `compile`:
-    the engine's (`EngineConfig.compile`; "aot" builds its package first when missing)."""
+    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`). `compile`,
+    `aot_pad`: the engine's (`EngineConfig.compile`, "aot" building its package first when
+    missing; `EngineConfig.aot_pad`)."""
     from workers.engine import Engine, EngineConfig
     from workers.pairs import get_pair
 
@@ -170,7 +172,8 @@ def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, c
     spec.prepare()
     limit = chat_prompt_limit(64)
     engine = Engine(EngineConfig(target=spec.target, drafter=spec.drafter, device="auto", dtype="auto",
-                                 max_batch=max_batch, max_len=limit + max_tokens + 8, compile=compile))
+                                 max_batch=max_batch, max_len=limit + max_tokens + 8, compile=compile,
+                                 aot_pad=aot_pad))
     return engine, workload_prompts(engine, workload, 64, limit, 0)
 
 
