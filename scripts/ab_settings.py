@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         if k is not None:
             return build_policy("static", pf, draft_len=k)
         if name in variants:
-            return build_policy("adaptive", pf, steps_grid=grid, **variants[name])
+            return build_policy("adaptive", pf, **{"steps_grid": grid, **variants[name]})  # a variant may set its own grid
         return make_policy(name, pf, steps_grid=grid, width=K)
 
     modes = [m.strip() for m in args.admission.split(",") if m.strip()]
