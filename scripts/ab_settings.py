@@ -54,7 +54,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
-ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration")  # kept per round
+ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration",
+              "diffusion_accept")  # kept per round
 
 
 def _static_len(name: str) -> int | None:
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
 
     def with_stats(policy, m):
         st = policy.stats() if hasattr(policy, "stats") else {}
-        m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept")})
+        m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept", "diffusion_accept")})
         return m
 
     for c in loads:
@@ -186,6 +187,7 @@ def main(argv=None) -> int:
                          "ttft_ms_mean": round(statistics.mean(r["ttft_ms_mean"] for r in runs[n]), 1),
                          "per_request": m["per_request"],
                          "suffix_calibration": m["suffix_calibration"], "suffix_accept": m["suffix_accept"],
+                         "diffusion_accept": m.get("diffusion_accept"),
                          # every round's own (a slow round's choices differ from the median one's)
                          "rounds": [{key: r.get(key) for key in ROUND_KEYS} for r in runs[n]]})
             if n.partition("+")[0] not in baselines:

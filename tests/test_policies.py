@@ -502,3 +502,33 @@ def test_request_book_measures_time_per_token_as_the_client_does():
     assert policy.book.wall_clock
     with pytest.raises(ValueError, match="sla_clock"):
         AdaptivePolicy(sla_clock="cpu")
+
+
+def test_adaptive_recalibrates_the_plans_diffusion_acceptance_per_class():
+    """Greedy rows whose diffusion drafts win nothing pull the greedy class's
+    `diffusion_accept_ratio` to its floor while sampled rows that win what the plan predicted
+    keep theirs at 1; a greedy row alone then no longer drafts, a sampled one does. With
+    ``diffusion_recalibrate=False`` the ratios stay 1 and both draft."""
+    from adapt.cost_model import CostModel, Table
+
+    cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [6.0, 6.0]))
+    rows = make_rows(2, 16, temperature=[0.0, 1.0])
+    for recalibrate in (True, False):
+        p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, replan_every=1, use_suffix=False,
+                         diffusion_recalibrate=recalibrate)
+        assert (p.choose_steps(rows) >= 1).all()
+        for _ in range(60):
+            steps = p.choose_steps(rows)
+            expect = p._diffusion_expect.clone()
+            won = torch.where(torch.tensor([True, False]), 0.0, expect.round()).long()  # greedy row: nothing
+            p.observe(rows, StepOutcome(won, (steps > 0).long() * 3, torch.zeros(2), 0.02, 2))
+        greedy, sampled = p.diffusion_accept_ratio.tolist()
+        if recalibrate:
+            assert greedy < 0.4 and 0.7 < sampled < 1.3
+            assert p.stats()["diffusion_accept"]["drafts"] > 60
+        # alone (no other row's drafter pass to share), a greedy row no longer drafts, a sampled one does
+        alone = [p.choose_steps(make_rows(1, 16, temperature=[t], ids=[f"r{t}"])).item() for t in (0.0, 1.0)]
+        if recalibrate:
+            assert alone[0] == 0 and alone[1] >= 1
+        else:
+            assert greedy == sampled == 1.0 and min(alone) >= 1
