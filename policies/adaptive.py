@@ -151,12 +151,12 @@ class AdaptivePolicy(Policy):
         self._suffix_expect = None  # [B] this step's table-predicted accepted tokens per suffix row (0: none)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
         # online recalibration of the plan's diffusion acceptance (see `diffusion_accept_ratio`):
-        # decayed sums, per temperature class [greedy, sampled], of the tokens diffusion drafts won
-        # and of what the plan's prior predicted they would
+        # decayed sums, per temperature class (greedy, sampled) and step count of `steps_grid`
+        # ([2, S]), of the tokens diffusion drafts won and of what the plan's prior predicted they would
         self.diffusion_recalibrate = bool(diffusion_recalibrate)
-        self.diffusion_won, self.diffusion_predicted = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        self.diffusion_won = self.diffusion_predicted = None  # [2, S] float64, made at first use
         self.diffusion_drafts = 0
-        self._diffusion_expect = None  # [B] this step's prior-predicted extra tokens per diffusion row (0: none)
+        self._diffusion_expect = None  # ([B] prior-predicted extra tokens per diffusion row (0: none), [B] grid index)
         # measured / predicted step time of steps that widened the batch for suffix drafts and of
         # steps that kept the plan (EMAs): the cost model's table misses what grows with context
         # length and rows (attention over long prompts, acceptance), so the choice corrects it
@@ -371,9 +371,9 @@ class AdaptivePolicy(Policy):
         # suffix drafts taken and the online recalibration of their acceptance (`suffix_accept_ratio`)
         out["suffix_accept"] = {"drafts": self.suffix_drafts, "ratio": round(self.suffix_accept_ratio, 3)}
         # diffusion drafts taken and the plan's online recalibration per class (`diffusion_accept_ratio`)
-        greedy, sampled = self.diffusion_accept_ratio.tolist()
-        out["diffusion_accept"] = {"drafts": self.diffusion_drafts, "ratio": {"greedy": round(greedy, 3),
-                                                                              "sampled": round(sampled, 3)}}
+        ratio = self.diffusion_accept_ratio.tolist()                                   # [2, S]
+        out["diffusion_accept"] = {"drafts": self.diffusion_drafts, "ratio": {
+            cls: {str(st): round(r, 3) for st, r in zip(self.steps_grid, ratio[i])} for i, cls in enumerate(("greedy", "sampled"))}}
         # what each suffix choice predicted its step would take against what it took, per kind
         # (plan: no widening; wide: widened by suffix drafts) and batch bucket
         out["suffix_calibration"] = {f"{k}@{b}": {"steps": int(n), "predicted_ms": round(p / n, 2), "measured_ms": round(m / n, 2)}
@@ -401,11 +401,12 @@ class AdaptivePolicy(Policy):
             else:
                 self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
             steps, extra, toks = self._plan[2], self._plan[3], self._plan[4]
-        raw = self._plan[5] if self._plan is not None and len(self._plan) > 5 and self._plan[0] == tuple(rows.request_ids) else None
+        plan = self._plan
+        raw = plan[5:7] if plan is not None and len(plan) > 6 and plan[0] == tuple(rows.request_ids) else None
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
             steps = self._take_suffix(rows, ctx, steps, extra, toks)
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
-            self._diffusion_expect = torch.where(steps.cpu() > 0, raw, torch.zeros_like(raw))
+            self._diffusion_expect = (torch.where(steps.cpu() > 0, raw[0], torch.zeros_like(raw[0])), raw[1])
         return steps
 
     @property
@@ -547,36 +548,45 @@ class AdaptivePolicy(Policy):
 
     @property
     def diffusion_accept_ratio(self) -> torch.Tensor:
-        """[2] (greedy rows, sampled rows): tokens the diffusion drafts taken so far won over the
-        extra tokens the plan's prior predicted for them (sums decayed by `DIFFUSION_DECAY` per
-        step with diffusion drafts, `DIFFUSION_IDLE_DECAY` per step without, with a prior of
-        `DIFFUSION_PRIOR` tokens at ratio 1), clipped to [0.25, 2]; ones with
-        ``diffusion_recalibrate`` off. The plan scales the prior's survival curves by it, so the
-        planned extra tokens that the suffix choice (`_take_suffix`) and the level greedy weigh
-        are what diffusion drafts win here. The prior is fitted on traces of one workload,
-        drafting every row with the whole block; measured live on SmolLM2's mixed workload at one
-        request (stop 45), the plan predicted 0.97 extra tokens a greedy diffusion draft and it
-        won 0.76 (ratio 0.78), 0.61 a sampled one and it won 0.71 (1.16)."""
+        """[2, S] (greedy rows, sampled rows) × (each step count of ``steps_grid``): tokens the
+        diffusion drafts taken so far won over the extra tokens the plan's prior predicted for
+        them (sums decayed by `DIFFUSION_DECAY` per step with such drafts, `DIFFUSION_IDLE_DECAY`
+        per step without, with a prior of `DIFFUSION_PRIOR` tokens at ratio 1), clipped to
+        [0.25, 2]; ones with ``diffusion_recalibrate`` off. The plan scales the prior's survival
+        curves by it, so the planned extra tokens that the level greedy (which step count) and
+        the suffix choice (`_take_suffix`) weigh are what diffusion drafts win here. The prior is
+        fitted on traces of one drafter and workload, drafting every row with the whole block;
+        measured live on SmolLM2's mixed workload at one request (stop 45), greedy drafts of two
+        denoising steps won 0.72 extra tokens where the plan predicted 1.00, one step 0.95 where
+        it predicted 0.80 (the shipped drafter gains nothing from a second step), so without
+        the ratio the plan paid for a second drafter pass on most greedy steps."""
+        S = len(self.steps_grid)
+        if self.diffusion_won is None or self.diffusion_won.shape != (2, S):  # first use, or a new grid
+            self.diffusion_won = torch.zeros(2, S, dtype=torch.float64)
+            self.diffusion_predicted = torch.zeros(2, S, dtype=torch.float64)
         if not self.diffusion_recalibrate:
-            return torch.ones(2, dtype=torch.float64)
+            return torch.ones(2, S, dtype=torch.float64)
         return ((self.diffusion_won + DIFFUSION_PRIOR) / (self.diffusion_predicted + DIFFUSION_PRIOR)).clamp(0.25, 2.0)
 
     def _learn_diffusion_accept(self, rows, outcome) -> None:
         """Add this step's diffusion rows' accepted tokens and plan-predicted extra tokens (before
-        recalibration) to their class's decayed sums; a step without diffusion drafts lets the
-        evidence fade."""
-        expect, self._diffusion_expect = self._diffusion_expect, None
+        recalibration) to the decayed sums of their class and step count; a cell without such
+        drafts this step lets its evidence fade."""
+        self.diffusion_accept_ratio  # makes the sums for this grid  # noqa: B018
+        found, self._diffusion_expect = self._diffusion_expect, None
         B = len(outcome.accepted)
+        expect, level = found if found is not None else (None, None)
         taken = None if expect is None or B != len(expect) else (expect > 0) & torch.isfinite(expect)
         if taken is None or not bool(taken.any()):
             self.diffusion_won *= DIFFUSION_IDLE_DECAY
             self.diffusion_predicted *= DIFFUSION_IDLE_DECAY
             return
+        S = self.diffusion_won.shape[1]
         won = torch.as_tensor(outcome.accepted).cpu().double()                        # [B]
-        sampled = (rows.temperature.cpu() > 0).long()                                  # [B] class index
-        w = torch.zeros(2, dtype=torch.float64).index_add_(0, sampled[taken], won[taken])
-        p = torch.zeros(2, dtype=torch.float64).index_add_(0, sampled[taken], expect[taken].double())
-        seen = torch.zeros(2, dtype=torch.bool).index_fill_(0, sampled[taken], True)
+        cell = ((rows.temperature.cpu() > 0).long() * S + level.clamp(max=S - 1))[taken]  # [n] flat (class, step) index
+        w = torch.zeros(2 * S, dtype=torch.float64).index_add_(0, cell, won[taken]).view(2, S)
+        p = torch.zeros(2 * S, dtype=torch.float64).index_add_(0, cell, expect[taken].double()).view(2, S)
+        seen = torch.zeros(2 * S, dtype=torch.bool).index_fill_(0, cell, True).view(2, S)
         decay = torch.where(seen, DIFFUSION_DECAY, DIFFUSION_IDLE_DECAY).double()
         self.diffusion_won = decay * self.diffusion_won + w
         self.diffusion_predicted = decay * self.diffusion_predicted + p
@@ -655,10 +665,11 @@ class AdaptivePolicy(Policy):
         return make_verify_decision(k, rule, torch.where(suffix, zero, decision.param), rows,
                                     torch.where(suffix, zero, decision.param2))
 
-    def _plan_steps(self, rows, ctx, B: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan_steps(self, rows, ctx, B: int, K: int) -> tuple[torch.Tensor, ...]:
         """(steps [B], expected extra tokens [B] of each row's planned draft (0 for rows without
         one), planned verified positions [B] (bonus included), the same extra tokens as the prior
-        predicts them before `diffusion_accept_ratio` [B] (what the recalibration learns from))."""
+        predicts them before `diffusion_accept_ratio` [B], each row's index in ``steps_grid`` [B]
+        (these two: what the recalibration learns from))."""
         dev = rows.temperature.device
         self._price_span(K)
         pred = self._predictor_on(dev)
@@ -673,8 +684,8 @@ class AdaptivePolicy(Policy):
         eps = torch.where(temp > 0, torch.minimum(ctx["eps"], ctx["budget_left"] / K), torch.zeros_like(temp))
         eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
         raw = pred.prior_survival(grid, K, temp, recent, match, eps)                    # [B, S, K]
-        ratio = self.diffusion_accept_ratio.float().to(dev)[(temp > 0).long()]          # [B] recalibrated online
-        surv = (raw * ratio[:, None, None]).clamp(max=1.0)                              # [B, S, K]
+        ratio = self.diffusion_accept_ratio.float().to(dev)[(temp > 0).long()]          # [B, S] recalibrated online
+        surv = (raw * ratio[:, :, None]).clamp(max=1.0)                                 # [B, S, K]
         keep = w[:, None, None] * surv >= self._lambda(float(w_base.sum()), B).to(dev)  # planned prefix
         gain = w_base[:, None] + w[:, None] * (surv * keep).sum(-1)                   # [B, S]
         toks = 1.0 + keep.sum(-1).float()                                             # [B, S]
@@ -722,7 +733,7 @@ class AdaptivePolicy(Policy):
         raw_extra = (raw * keep).sum(-1).gather(1, level.clamp_min(0)[:, None])[:, 0]   # [B] before the ratio
         raw_extra = torch.where(level >= 0, raw_extra, torch.zeros_like(raw_extra))
         return (steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu(),
-                raw_extra.float().cpu())
+                raw_extra.float().cpu(), level.clamp_min(0).cpu())
 
     def _lambda(self, base: float, B: int) -> torch.Tensor:
         """λ as a plan reads it: the last drafting step's (`threshold`), but never below what a

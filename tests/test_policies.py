@@ -504,6 +504,21 @@ def test_request_book_measures_time_per_token_as_the_client_does():
         AdaptivePolicy(sla_clock="cpu")
 
 
+
+def _learn_diffusion(p, rows, won_share, steps: int) -> list[list[int]]:
+    """``steps`` engine steps in which each diffusion row wins ``won_share(level)`` of the extra
+    tokens the plan's prior predicted for it; returns the steps chosen, step by step."""
+    B = len(rows.request_ids)
+    history = []
+    for _ in range(steps):
+        chosen = p.choose_steps(rows)
+        history.append(chosen.tolist())
+        expect, level = p._diffusion_expect
+        won = (expect * won_share(level)).round().long()
+        p.observe(rows, StepOutcome(won, (chosen > 0).long() * 3, torch.zeros(B), 0.02, B))
+    return history
+
+
 def test_adaptive_recalibrates_the_plans_diffusion_acceptance_per_class():
     """Greedy rows whose diffusion drafts win nothing pull the greedy class's
     `diffusion_accept_ratio` to its floor while sampled rows that win what the plan predicted
@@ -515,20 +530,37 @@ def test_adaptive_recalibrates_the_plans_diffusion_acceptance_per_class():
     rows = make_rows(2, 16, temperature=[0.0, 1.0])
     for recalibrate in (True, False):
         p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, replan_every=1, use_suffix=False,
-                         diffusion_recalibrate=recalibrate)
+                         steps_grid=(1,), diffusion_recalibrate=recalibrate)
         assert (p.choose_steps(rows) >= 1).all()
-        for _ in range(60):
-            steps = p.choose_steps(rows)
-            expect = p._diffusion_expect.clone()
-            won = torch.where(torch.tensor([True, False]), 0.0, expect.round()).long()  # greedy row: nothing
-            p.observe(rows, StepOutcome(won, (steps > 0).long() * 3, torch.zeros(2), 0.02, 2))
-        greedy, sampled = p.diffusion_accept_ratio.tolist()
-        if recalibrate:
-            assert greedy < 0.4 and 0.7 < sampled < 1.3
-            assert p.stats()["diffusion_accept"]["drafts"] > 60
+        # the greedy row (0) wins nothing, the sampled row (1) what was predicted
+        _learn_diffusion(p, rows, lambda level: torch.tensor([0.0, 1.0]), 60)
+        (greedy,), (sampled,) = p.diffusion_accept_ratio.tolist()
         # alone (no other row's drafter pass to share), a greedy row no longer drafts, a sampled one does
         alone = [p.choose_steps(make_rows(1, 16, temperature=[t], ids=[f"r{t}"])).item() for t in (0.0, 1.0)]
         if recalibrate:
+            assert greedy < 0.4 and 0.7 < sampled < 1.3
+            assert p.stats()["diffusion_accept"]["drafts"] > 60
+            assert p.stats()["diffusion_accept"]["ratio"]["greedy"]["1"] == pytest.approx(greedy, abs=1e-3)
             assert alone[0] == 0 and alone[1] >= 1
         else:
             assert greedy == sampled == 1.0 and min(alone) >= 1
+
+
+def test_adaptive_recalibrates_each_step_count_of_its_grid():
+    """The ratio is kept per denoising step count: a plan whose one-step drafts win nothing moves
+    the row to two steps (whose ratio stays at 1 while they win what the prior predicts); as
+    the evidence against one step fades over steps without it, one step is retried now and then."""
+    from adapt.cost_model import CostModel, Table
+
+    cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [0.5, 0.5]))
+    rows = make_rows(1, 16, temperature=[0.0])
+    p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, replan_every=1, use_suffix=False,
+                     steps_grid=(1, 2))
+    assert p.choose_steps(rows).tolist() == [1]
+    _learn_diffusion(p, rows, lambda level: (level == 1).double(), 40)  # one step wins nothing, two win all
+    ratio = p.diffusion_accept_ratio
+    assert float(ratio[0, 0]) < 0.95 and float(ratio[0, 1]) >= 1.0
+    assert p.choose_steps(rows).tolist() == [2]
+    history = _learn_diffusion(p, rows, lambda level: (level == 1).double(), 400)
+    # mostly two steps; one step retried now and then, as its evidence fades
+    assert 0 < history.count([1]) < 40 and history.count([2]) > 300
