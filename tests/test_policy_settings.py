@@ -98,3 +98,21 @@ def test_cli_push_and_fit_name_the_setting(tmp_path, capsys, redis_server):
                      "--settings", json.dumps({"draft_len": 4})]) == 0
     pf = policy_file.load(out)
     assert pf.settings == {"draft_len": 4} and build_policy(policy=pf).draft_len == 4
+
+
+def test_cli_policy_set_changes_settings_as_a_new_version(tmp_path, capsys):
+    """`adapt policy set` merges validated settings into a policy file and writes a new version;
+    a bad setting is named and the file is left as it was."""
+    from adapt.cli import main as cli_main
+
+    path = tmp_path / "p.json"
+    first = policy_file.save(PolicyFile(settings={"steps_grid": [1, 2], "sla_weight": 3.0}), path)
+    before = path.read_bytes()
+    assert cli_main(["policy", "set", str(path), "--settings", json.dumps({"steps_grid": "one"})]) == 2
+    assert "policy.settings.steps_grid" in capsys.readouterr().err and path.read_bytes() == before
+    assert cli_main(["policy", "set", str(path), "--settings", "[1]"]) == 2
+    assert "settings: must be a non-empty JSON object" in capsys.readouterr().err and path.read_bytes() == before
+    assert cli_main(["policy", "set", str(path), "--settings", json.dumps({"steps_grid": [1]})]) == 0
+    pf = policy_file.load(path)
+    assert pf.settings == {"steps_grid": [1], "sla_weight": 3.0} and pf.version != first
+    assert build_policy(policy=pf).steps_grid == (1,)

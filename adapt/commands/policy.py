@@ -1,6 +1,10 @@
 """`adapt policy {fit,...}`: build and manage policy files.
 
     adapt policy fit --traces PATH --out POLICY [--policy adaptive] [--settings JSON] [--report REPORT.json]
+    adapt policy set POLICY --settings JSON
+
+`set` merges settings into an existing policy file (validated against the file's policy; an
+unknown or ill-typed setting is named and nothing is written) and writes it back as a new version.
 
 `fit` reads engine traces (a .jsonl file, a directory of them, or a glob), fits the acceptance
 predictor (scikit-learn, calibrated by sequential temperature scaling), fits the step-cost model
@@ -123,6 +127,39 @@ def _add_fit(sub) -> None:
 
 
 register_subcommand("fit", _add_fit)
+
+
+def _run_set(args) -> int:
+    """Merge validated settings into a policy file and write it back as a new version."""
+    from adapt.controller import validate_settings
+    from adapt.policy_file import PolicyFileError, load, save
+
+    try:
+        settings = json.loads(args.settings)
+        if not isinstance(settings, dict) or not settings:
+            raise ValueError("settings: must be a non-empty JSON object")
+        policy = load(args.policy_file)
+        merged = dict(policy.settings, **settings)
+        validate_settings(policy.policy, merged)  # an unknown or ill-typed setting: named, nothing written
+    except (PolicyFileError, ValueError) as exc:
+        print(f"adapt policy set: {exc}", file=sys.stderr)
+        return 2
+    policy.settings = merged
+    policy.version, policy.created = "", 0.0  # a new version
+    version = save(policy, args.policy_file)
+    print(f"policy {policy.policy} version {version} -> {args.policy_file}: "
+          + ", ".join(f"{k}={json.dumps(v)}" for k, v in settings.items()))
+    return 0
+
+
+def _add_set(sub) -> None:
+    p = sub.add_parser("set", help="change settings of a policy file (validated; writes a new version)")
+    p.add_argument("policy_file", help="the policy file to change in place")
+    p.add_argument("--settings", required=True, help='JSON object of settings, e.g. \'{"steps_grid": [1]}\'')
+    p.set_defaults(run=_run_set)
+
+
+register_subcommand("set", _add_set)
 
 
 def add_parser(subparsers) -> None:

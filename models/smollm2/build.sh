@@ -13,7 +13,8 @@
 #      T = 0 and 1)
 #   5. collect traces, fit and benchmark the policy (adapt bench policies), ship policy.json
 #   6. fit the suffix-draft acceptance by match length on training-split chat / code / edit prompts
-#      (adapt/suffix_fit.py; static suffix drafting through the engine) into policy.json's settings
+#      (adapt/suffix_fit.py; static suffix drafting through the engine) into policy.json's settings;
+#      (stop 45) steps_grid [1]: a second denoising step wins nothing with this drafter (adapt policy set)
 #   7. write MANIFEST.json (hashes, commands)
 # RESUME=1 continues an interrupted harvest (finished shards are kept) and training (checkpoint).
 set -euo pipefail
@@ -47,5 +48,7 @@ $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out m
 $PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies-smollm2 --seed 0
 cp results/policies-smollm2/policy.json models/smollm2/policy.json
 $PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 24 --max-tokens 96 --threads 2
+# (stop 45) one denoising step: the shipped drafter wins nothing from a second (live, mixed workload)
+$PY -m adapt.cli policy set models/smollm2/policy.json --settings '{"steps_grid": [1]}'
 rm -rf models/smollm2/drafter/checkpoint
 $PY -m workers.training.manifest --root models/smollm2 --build models/smollm2/build.sh
