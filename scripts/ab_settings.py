@@ -18,19 +18,25 @@ round cancels most of that drift, where a ratio of per-policy medians does not.
 
 ``--interleave`` runs each round's rows side by side instead (adapt/bench/interleave.py): one
 engine per policy, the runs taking turns one engine step at a time, each timed by a clock that
-runs only during its own turns, so that every row of a round meets the same drift.
+runs only during its own turns, so that every row of a round meets the same drift. There a
+variant may also change its own engine: keys ``engine.FIELD`` set that `EngineConfig` field of
+its engine (e.g. ``--variant pad:engine.aot_pad=true``: the adaptive policy on an engine that pads
+few-token calls, beside the same policy on the default engine), and its policy plans with a
+start-up profile of that engine (`profile_engine`), as a worker of that config would.
 
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
 per step, held share (adaptive), the two SLA targets (``sla_ms``: tight and loose, ``--sla-ms``), draft sources and (adaptive) the suffix calibration (mean
 predicted against measured step ms of its suffix choices, per kind, `plan` or `wide`, and batch
 bucket) and suffix acceptance (drafts taken, the online ratio; `AdaptivePolicy.stats`) are
 written as JSON, one row per (load, policy), with every round's goodput, SLA attainment, draft
-sources and suffix statistics under ``rounds``.
+sources and suffix statistics under ``rounds``; (adaptive) also the plan's diffusion recalibration
+(``diffusion_accept``: drafts, the ratio per temperature class and step count).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -86,7 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--static", default=",".join(STATIC),
                    help="the static configurations to run and compare with, comma-separated, of "
                         + ", ".join(BASELINES) + ", or static-K (static: diffusion drafts of 16 tokens, one step; static-K: K tokens)")
-    p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (adaptive settings)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:key=value,... (adaptive settings; keys engine.FIELD set that run's own engine's "
+                        "EngineConfig field instead, e.g. engine.aot_pad=true; needs --interleave)")
     p.add_argument("--admission", default="all",
                    help="engine admission modes, comma-separated (workers/admission.py); every policy runs under "
                         "each, named NAME+MODE for modes other than 'all'")
@@ -112,12 +120,20 @@ def main(argv=None) -> int:
         p.error(f"--static: names of {', '.join(BASELINES)} or static-K (K drafted tokens), got {args.static!r}")
     if args.sla_ms is not None and not args.sla_ms > 0:
         p.error(f"--sla-ms must be positive, got {args.sla_ms}")
+    variants = dict(parse_variant(v) for v in args.variant)
+    # engine.FIELD keys: that variant's own engine's config (with --interleave, where each run has one)
+    engine_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("engine.")}
+                       for n, st in variants.items()}
+    variants = {n: {k: v for k, v in st.items() if not k.startswith("engine.")} for n, st in variants.items()}
+    if any(engine_settings.values()) and not args.interleave:
+        p.error("--variant with engine.FIELD settings needs --interleave (a run of its own engine)")
 
     import torch
 
     from adapt.bench.interleave import engine_copies, run_round
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
+    from adapt.cost_model import CostModel
     from adapt.policy_file import load
     from adapt.replay import Scenario, make_mix
 
@@ -131,14 +147,15 @@ def main(argv=None) -> int:
     K = engine.block
     t1 = args.sla_ms if args.sla_ms is not None else float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
     grid = tuple(pf.settings.get("steps_grid", (1,)))
-    variants = dict(parse_variant(v) for v in args.variant)
 
     def make(name):
         k = _static_len(name)
         if k is not None:
             return build_policy("static", pf, draft_len=k)
         if name in variants:
-            return build_policy("adaptive", pf, **{"steps_grid": grid, **variants[name]})  # a variant may set its own grid
+            own = {"cost": CostModel.from_dict(own_cost[name].to_dict())} if name in own_cost else {}
+            # a variant may set its own grid; one with its own engine plans with that engine's profile
+            return build_policy("adaptive", pf, **{"steps_grid": grid, **variants[name], **own})
         return make_policy(name, pf, steps_grid=grid, width=K)
 
     modes = [m.strip() for m in args.admission.split(",") if m.strip()]
@@ -148,6 +165,14 @@ def main(argv=None) -> int:
     engine.config.admission_max_wait_ms = args.admission_max_wait_ms
     # interleaved: an engine per policy (each with its own model copy); else one engine, runs in turn
     engines = dict(zip(names, engine_copies(engine, len(names)) if args.interleave else [engine] * len(names)))
+    own_cost = {}  # variant -> the start-up profile of its own engine (as a worker profiles its own)
+    for n in names:  # variants with their own engine settings get an engine of that config instead
+        own = engine_settings.get(n.partition("+")[0])
+        if own:
+            from workers.engine import Engine
+
+            engines[n] = Engine(dataclasses.replace(engine.config, **own))
+            own_cost[n.partition("+")[0]] = profile_engine(engines[n])
 
     def with_stats(policy, m):
         st = policy.stats() if hasattr(policy, "stats") else {}
@@ -176,7 +201,8 @@ def main(argv=None) -> int:
             rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n, "compile": args.compile,
                          "length_spread": args.length_spread, "sla_ms": [round(t1, 1), round(4 * t1, 1)],
                          "admission": n.partition("+")[2] or "all",
-                         "settings": variants.get(n, {}), "goodput_tok_s": round(m["goodput_tok_s"], 1),
+                         "settings": variants.get(n, {}), "engine": engine_settings.get(n.partition("+")[0], {}),
+                         "goodput_tok_s": round(m["goodput_tok_s"], 1),
                          "goodput_rounds": [round(r["goodput_tok_s"], 1) for r in runs[n]],
                          "sla_attainment": round(statistics.mean(r["sla_attainment"] for r in runs[n]), 3),
                          "decision_ms_per_step": round(m.get("decision_ms_per_step", float("nan")), 3),

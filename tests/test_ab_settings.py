@@ -77,9 +77,13 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     out = tmp_path / "ab.json"
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
-                           "--sla-ms", "40", "--static", "ar,suffix,static-4", "--out", str(out)]) == 0
+                           "--sla-ms", "40", "--static", "ar,suffix,static-4", "--out", str(out),
+                           "--variant", "nopack:engine.pack=false,hold_max=0"]) == 0
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "adaptive"]
+    assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "adaptive", "nopack"]
+    # a variant's engine.FIELD keys configure its own engine; the rest are the policy's settings
+    assert rows[4]["engine"] == {"pack": False} and rows[4]["settings"] == {"hold_max": 0}
+    assert rows[3]["engine"] == {} and len(rows[4]["paired_ratio_rounds"]) == 2
     assert rows[2]["source_share"].get("diffusion", 0) > 0  # static-4 drafts with the diffusion drafter
     best = [max(r["goodput_rounds"][i] for r in rows[:3]) for i in range(2)]
     assert rows[3]["paired_ratio_rounds"] == pytest.approx([rows[3]["rounds"][i]["goodput_tok_s"] / best[i]
@@ -90,3 +94,10 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     assert len(rows[3]["paired_ratio_rounds"]) == 2 and rows[3]["paired_ratio"] > 0
     assert "paired_ratio" not in rows[2]  # a static row is a reference, not compared
     assert set(rows[3]["suffix_accept"]) == {"drafts", "ratio"}
+
+
+def test_engine_settings_of_a_variant_need_interleaved_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _script().main(["--policy-file", str(tmp_path / "p.json"), "--variant", "pad:engine.aot_pad=true",
+                        "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--interleave" in capsys.readouterr().err
