@@ -91,6 +91,7 @@ class AdaptiveSettings(_Settings):
     suffix_recalibrate: bool = Field(default=None)
     suffix_per_request: bool = Field(default=None)
     diffusion_recalibrate: bool = Field(default=None)
+    overhead_by_source: bool = Field(default=None)
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
     sla_guard: bool = Field(default=None)

@@ -107,7 +107,7 @@ class AdaptivePolicy(Policy):
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 diffusion_recalibrate: bool = True,
+                 diffusion_recalibrate: bool = True, overhead_by_source: bool = True,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= closed_weight <= 1.0:
@@ -161,9 +161,13 @@ class AdaptivePolicy(Policy):
         # steps that kept the plan (EMAs): the cost model's table misses what grows with context
         # length and rows (attention over long prompts, acceptance), so the choice corrects it
         self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
-        # EMAs of measured − predicted step ms, for steps that verified drafts and steps that did
-        # not, per batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
+        # EMAs of measured − predicted step ms per kind of step ("plain": no drafts; "diffusion":
+        # some row verified a diffusion draft; "suffix": only suffix drafts) and batch-size bucket
+        # (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
+        # price each source's steps by their own residual ("diffusion" / "suffix"), or both by
+        # the residual of every drafting step ("draft", kept too; the rule before stop 45)
+        self.overhead_by_source = bool(overhead_by_source)
         self._batch = 1  # rows of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
         # per (plan | wide, batch bucket): [steps, Σ predicted ms, Σ measured ms] of suffix choices
@@ -376,6 +380,8 @@ class AdaptivePolicy(Policy):
             cls: {str(st): round(r, 3) for st, r in zip(self.steps_grid, ratio[i])} for i, cls in enumerate(("greedy", "sampled"))}}
         # what each suffix choice predicted its step would take against what it took, per kind
         # (plan: no widening; wide: widened by suffix drafts) and batch bucket
+        # what each kind of step took beyond the cost tables (`step_residual`), per batch bucket
+        out["step_residual"] = {f"{k}@{b}": round(v, 2) for (k, b), v in sorted(self.step_residual.items())}
         out["suffix_calibration"] = {f"{k}@{b}": {"steps": int(n), "predicted_ms": round(p / n, 2), "measured_ms": round(m / n, 2)}
                                      for (k, b), (n, p, m) in sorted(self.suffix_calibration.items()) if n}
         return out
@@ -472,7 +478,7 @@ class AdaptivePolicy(Policy):
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
         fixed = torch.zeros_like(ms)                                                   # [C] drafting path's fixed ms
         if not bool(diffusing.any()):  # the plan drafts nothing: taking a suffix draft takes the drafting path
-            fixed = torch.where(take.any(0), self.draft_overhead_at(B), 0.0)
+            fixed = torch.where(take.any(0), self.draft_overhead_at(B, "suffix"), 0.0)
         ms = ms + fixed
         planned = float((self.base_weights(ctx).cpu() + w * plan_extra).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
@@ -592,35 +598,52 @@ class AdaptivePolicy(Policy):
         self.diffusion_predicted = decay * self.diffusion_predicted + p
         self.diffusion_drafts += int(taken.sum())
 
-    def draft_overhead_at(self, batch: int) -> float:
-        """The fixed extra ms of a step of `batch` rows that verifies drafts over one that does
-        not, beyond what the cost model predicts for both (decisions, features, rule resolution,
-        attention over the drafted positions, the acceptance path): the difference of the two
-        kinds' residual EMAs in the batch's size bucket (`batch_bucket`), else in the nearest
-        bucket that saw both kinds; 0 until some bucket did. Per batch size, because it grows
-        with the batch: on SmolLM2 here (stop 18, `scripts/step_costs.py`) one row verifying 2
-        drafts added ~1 ms to a 1-row step and ~45–80 ms to an 8-row one, which the verify table,
-        indexed by positions only, does not see."""
+    def draft_overhead_at(self, batch: int, source: str = "diffusion") -> float:
+        """The fixed extra ms of a step of `batch` rows that verifies drafts of ``source``
+        ("diffusion": some row drafts by diffusion; "suffix": only suffix drafts) over one that
+        verifies none, beyond what the cost model predicts for both (decisions, features, rule
+        resolution, attention over the drafted positions, the acceptance path): the difference
+        of the two kinds' residual EMAs in the batch's size bucket (`batch_bucket`), else in the
+        nearest bucket that saw both kinds; 0 until some bucket did (so a source not tried yet
+        is tried). Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
+        `scripts/step_costs.py`) one row verifying 2 drafts added ~1 ms to a 1-row step and
+        ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
+        see. Per source, because the tables miss different things for each: a suffix step
+        verifies one row's long copy, a diffusion step pays drafter passes and short drafts on
+        many rows. With one estimate for both (before stop 45), the steps of one source set the
+        other's price: at 2 rows, wide suffix steps' residual priced diffusion drafting out for
+        whole runs (0 % diffusion in two of three rounds, 0.91× static suffix drafting), and a
+        plan that never drafts by diffusion never corrects it."""
         res = self.step_residual
-        both = [b for (kind, b) in res if kind == "draft" and ("plain", b) in res]
+        source = source if self.overhead_by_source else "draft"
+        both = [b for (kind, b) in res if kind == source and ("plain", b) in res]
         if not both:
             return 0.0
         want = batch_bucket(batch).bit_length()
         b = min(both, key=lambda x: (abs(x.bit_length() - want), x))
-        return max(0.0, res[("draft", b)] - res[("plain", b)])
+        return max(0.0, res[(source, b)] - res[("plain", b)])
 
     @property
     def draft_overhead_ms(self) -> float:
-        """`draft_overhead_at` the latest step's batch size."""
+        """`draft_overhead_at` the latest step's batch size, for diffusion drafting."""
         return self.draft_overhead_at(self._batch)
+
+    def _step_source(self, outcome) -> str:
+        """What kind of step ``outcome`` was: "plain" (no drafts verified), "suffix" (only suffix
+        drafts: the decision had no diffusion row) or "diffusion"."""
+        if not verified_drafts(outcome):
+            return "plain"
+        steps = self.last_steps
+        return "suffix" if steps is not None and not bool((steps > 0).any()) else "diffusion"
 
     def _table_ms(self, outcome, step_ms: float) -> float:
         """A step that verified drafts teaches the cost tables its time less `draft_overhead_at`
-        its batch size, which this policy charges separately: else the tables absorb the
-        drafting path's fixed cost too (measured on the demo pair: a verify table steep from 1 to
-        2 tokens per row and the fixed cost counted twice)."""
-        if verified_drafts(outcome):
-            return max(step_ms - self.draft_overhead_at(len(outcome.accepted)), 1e-3)
+        its batch size and source, which this policy charges separately: else the tables absorb
+        the drafting path's fixed cost too (measured on the demo pair: a verify table steep from
+        1 to 2 tokens per row and the fixed cost counted twice)."""
+        source = self._step_source(outcome)
+        if source != "plain":
+            return max(step_ms - self.draft_overhead_at(len(outcome.accepted), source), 1e-3)
         return step_ms
 
     def observe(self, rows, outcome) -> None:
@@ -634,9 +657,11 @@ class AdaptivePolicy(Policy):
             self.plain_ms = measured if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * measured
         self._batch = len(outcome.accepted)
         if predicted is not None and measured > 0:
-            key = ("draft" if drafted else "plain", batch_bucket(self._batch))
-            r, prev = measured - predicted, self.step_residual.get(key)
-            self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
+            source = self._step_source(outcome)
+            for kind in (source,) if source == "plain" else (source, "draft"):  # "draft": every drafting step
+                key = (kind, batch_bucket(self._batch))
+                r, prev = measured - predicted, self.step_residual.get(key)
+                self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
         self._learn_suffix_accept(rows, outcome)
         self._learn_diffusion_accept(rows, outcome)
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
@@ -699,7 +724,7 @@ class AdaptivePolicy(Policy):
             level = torch.zeros(B, dtype=torch.int64, device=dev)
             fixed_draft = prev_s * self.cost.draft_ms_at([B])
         pass_ms = self.cost.draft_ms(torch.arange(B + 1, dtype=torch.float64)[:, None])  # [B+1]: a pass of n rows
-        fixed_extra = self.draft_overhead_at(B)
+        fixed_extra = self.draft_overhead_at(B, "diffusion")
         for i in range(first, S):
             s = self.steps_grid[i]
             eligible = level == i - 1
