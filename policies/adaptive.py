@@ -107,7 +107,7 @@ class AdaptivePolicy(Policy):
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 diffusion_recalibrate: bool = True, overhead_by_source: bool = True,
+                 diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= closed_weight <= 1.0:
@@ -165,8 +165,8 @@ class AdaptivePolicy(Policy):
         # some row verified a diffusion draft; "suffix": only suffix drafts) and batch-size bucket
         # (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
-        # price each source's steps by their own residual ("diffusion" / "suffix"), or both by
-        # the residual of every drafting step ("draft", kept too; the rule before stop 45)
+        # price each source's steps by their own residual ("diffusion" / "suffix"), or (the
+        # default) both by the residual of every drafting step ("draft"); all three are kept
         self.overhead_by_source = bool(overhead_by_source)
         self._batch = 1  # rows of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
@@ -608,12 +608,12 @@ class AdaptivePolicy(Policy):
         is tried). Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
         `scripts/step_costs.py`) one row verifying 2 drafts added ~1 ms to a 1-row step and
         ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
-        see. Per source, because the tables miss different things for each: a suffix step
-        verifies one row's long copy, a diffusion step pays drafter passes and short drafts on
-        many rows. With one estimate for both (before stop 45), the steps of one source set the
-        other's price: at 2 rows, wide suffix steps' residual priced diffusion drafting out for
-        whole runs (0 % diffusion in two of three rounds, 0.91× static suffix drafting), and a
-        plan that never drafts by diffusion never corrects it."""
+        see. With ``overhead_by_source`` (off by default) per source, since the tables miss
+        different things for each (a suffix step verifies one row's long copy, a diffusion step
+        pays drafter passes and short drafts on many rows); else one estimate over every drafting
+        step ("draft") prices both. Per source measured worse live at 2 and 8 requests (stop 45,
+        docs/controller.md: at 8 rows the combined estimate, which diffusion steps make dear,
+        kept copies from widening the batch)."""
         res = self.step_residual
         source = source if self.overhead_by_source else "draft"
         both = [b for (kind, b) in res if kind == source and ("plain", b) in res]

@@ -30,7 +30,8 @@ predicted against measured step ms of its suffix choices, per kind, `plan` or `w
 bucket) and suffix acceptance (drafts taken, the online ratio; `AdaptivePolicy.stats`) are
 written as JSON, one row per (load, policy), with every round's goodput, SLA attainment, draft
 sources and suffix statistics under ``rounds``; (adaptive) also the plan's diffusion recalibration
-(``diffusion_accept``: drafts, the ratio per temperature class and step count).
+(``diffusion_accept``: drafts, the ratio per temperature class and step count) and what each kind
+of step took beyond the cost tables (``step_residual``, per batch bucket).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
 ROUND_KEYS = ("goodput_tok_s", "sla_attainment", "source_share", "suffix_accept", "suffix_calibration",
-              "diffusion_accept")  # kept per round
+              "diffusion_accept", "step_residual")  # kept per round
 
 
 def _static_len(name: str) -> int | None:
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
 
     def with_stats(policy, m):
         st = policy.stats() if hasattr(policy, "stats") else {}
-        m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept", "diffusion_accept")})
+        m.update({key: st.get(key) for key in ("held_share", "suffix_calibration", "suffix_accept", "diffusion_accept",
+                                                 "step_residual")})
         return m
 
     for c in loads:

@@ -465,7 +465,7 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     (charged separately), so the fixed cost is not counted twice; plain steps teach all of it."""
     p = policies.get("adaptive")
     # learned: drafting steps of 2 rows cost 1.5 ms more, of 5–8 rows 20 ms more
-    p.step_residual = {("diffusion", 2): 2.0, ("plain", 2): 0.5, ("diffusion", 8): 30.0, ("plain", 8): 10.0}
+    p.step_residual = {("draft", 2): 2.0, ("plain", 2): 0.5, ("draft", 8): 30.0, ("plain", 8): 10.0}
     drafted = StepOutcome(torch.tensor([1, 0]), torch.tensor([3, 0]), torch.zeros(2), 0.010, 6)
     plain = StepOutcome(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.zeros(2), 0.010, 2)
     assert p._table_ms(drafted, 10.0) == pytest.approx(8.5)
@@ -473,24 +473,26 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     wide = StepOutcome(torch.zeros(6, dtype=torch.long), torch.tensor([3, 0, 0, 0, 0, 0]), torch.zeros(6), 0.1, 9)
     assert p._table_ms(wide, 100.0) == pytest.approx(80.0)
     assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0
-    # a step of suffix drafts only (no diffusion row decided) takes out the suffix steps' own extra
-    p.step_residual[("suffix", 2)] = 10.5
+    # kept per source (`overhead_by_source`): a step of suffix drafts only (no diffusion row
+    # decided) takes out the suffix steps' own extra
+    p.update(overhead_by_source=True)
+    p.step_residual.update({("suffix", 2): 10.5, ("diffusion", 2): 2.0})
     p.last_steps = torch.tensor([-1, 0])
     assert p._table_ms(drafted, 20.0) == pytest.approx(10.0)
 
 
 def test_adaptive_prices_diffusion_and_suffix_steps_by_their_own_extra_cost():
-    """Suffix-only steps that took 40 ms more than the cost model said do not price diffusion
-    drafting, whose steps took 1 ms more: the learned extra is kept per source, and a plan at
-    that batch size still drafts by diffusion (with one estimate for both, the suffix steps'
-    residual stopped diffusion drafting for whole runs at 2 rows, stop 45)."""
+    """With ``overhead_by_source``, suffix-only steps that took 40 ms more than the cost model
+    said do not price diffusion drafting, whose steps took 1 ms more: the learned extra is kept
+    per source, and a plan at that batch size still drafts by diffusion. Off (the default), one
+    estimate of every drafting step's extra prices both."""
     import dataclasses
 
     from policies.base import rows_per_pass
 
     B = 2
     rows = dataclasses.replace(make_rows(B, 8), recent_accept=torch.full((B,), 0.97))
-    p = policies.get("adaptive", hold_max=0)
+    p = policies.get("adaptive", hold_max=0, overhead_by_source=True)
     for kind in ["plain", "suffix", "diffusion"] * 12:
         steps = torch.full((B,), {"plain": 0, "suffix": -1, "diffusion": 1}[kind])
         p.last_steps = steps

@@ -513,7 +513,7 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     # (the steps below accept nothing: acceptance recalibration off, this test is about cost)
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
                             suffix_recalibrate=False)
-    policy.step_residual = {("suffix", 4): 5.0, ("plain", 4): 0.0}  # suffix steps: 5 ms beyond the table
+    policy.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
     B = 4
     rows = _confident_suffix_rows(B)
     for _ in range(10):
