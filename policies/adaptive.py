@@ -18,7 +18,9 @@ fitted on traces that drafted every row: `AcceptancePredictor.typical_recent`; n
 what this policy observes, which only sees the rows it chose to draft); a row that has
 not verified diffusion drafts for ``n`` steps has its recent acceptance (the prior's main feature, frozen
 while it does not draft) pulled toward that typical value by ``1 − idle_decay^n``, so it is
-offered drafting again whenever typical rows of its class are worth drafting.
+offered drafting again whenever typical rows of its class are worth drafting. The prior's survival
+curves are scaled, per temperature class and step count, by what the plan's diffusion drafts have
+won against what it predicted for them (`diffusion_accept_ratio`, recalibrated online).
 
 After drafting (`_verify`): each ε row gets the ε-TVD rule with its leniency (its ε, capped by
 the total budget left, only where the draft probabilities are true conditionals and T > 0);
@@ -162,11 +164,11 @@ class AdaptivePolicy(Policy):
         # length and rows (attention over long prompts, acceptance), so the choice corrects it
         self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
         # EMAs of measured − predicted step ms per kind of step ("plain": no drafts; "diffusion":
-        # some row verified a diffusion draft; "suffix": only suffix drafts) and batch-size bucket
-        # (`batch_bucket`): {(kind, bucket): ms}
+        # some row verified a diffusion draft; "suffix": only suffix drafts; "draft": either) and
+        # batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
         # price each source's steps by their own residual ("diffusion" / "suffix"), or (the
-        # default) both by the residual of every drafting step ("draft"); all three are kept
+        # default) both by the residual of every drafting step ("draft")
         self.overhead_by_source = bool(overhead_by_source)
         self._batch = 1  # rows of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
@@ -378,10 +380,10 @@ class AdaptivePolicy(Policy):
         ratio = self.diffusion_accept_ratio.tolist()                                   # [2, S]
         out["diffusion_accept"] = {"drafts": self.diffusion_drafts, "ratio": {
             cls: {str(st): round(r, 3) for st, r in zip(self.steps_grid, ratio[i])} for i, cls in enumerate(("greedy", "sampled"))}}
-        # what each suffix choice predicted its step would take against what it took, per kind
-        # (plan: no widening; wide: widened by suffix drafts) and batch bucket
         # what each kind of step took beyond the cost tables (`step_residual`), per batch bucket
         out["step_residual"] = {f"{k}@{b}": round(v, 2) for (k, b), v in sorted(self.step_residual.items())}
+        # what each suffix choice predicted its step would take against what it took, per kind
+        # (plan: no widening; wide: widened by suffix drafts) and batch bucket
         out["suffix_calibration"] = {f"{k}@{b}": {"steps": int(n), "predicted_ms": round(p / n, 2), "measured_ms": round(m / n, 2)}
                                      for (k, b), (n, p, m) in sorted(self.suffix_calibration.items()) if n}
         return out
