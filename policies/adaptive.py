@@ -834,7 +834,9 @@ class AdaptivePolicy(Policy):
         # λ for the next step: Θ_w at the optimum times the marginal ms of one more verified token
         tokens = float(B + k.sum())
         dms = (self.cost.step_ms_at(tokens + 8.0) - self.cost.step_ms_at(tokens)) / 8.0
-        self.threshold = theta.cpu().float() * max(dms, 0.0)
+        lam = theta.cpu().float() * max(dms, 0.0)
+        if bool(torch.isfinite(lam)):  # a non-finite λ would keep every later plan from drafting
+            self.threshold = lam
         eps = torch.where(k > 0, eps, torch.zeros_like(eps))
         rule, param = rules_from(draft, eps)
         return make_verify_decision(k, rule, param, rows)

@@ -248,3 +248,35 @@ def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
 def test_compile_options_of_the_clis():
     assert compile_options("auto") == {"compile": "aot", "aot_build": False}
     assert compile_options("aot") == {"compile": "aot"} and compile_options("off") == {"compile": "off"}
+
+
+def test_a_request_joining_a_slot_with_non_finite_drafter_context_drafts_finite_laws(built):
+    """A drafter package's pass over the first B slots also writes its block columns into the free
+    slots past them, with non-finite values where the program computes nothing (SmolLM2 on CPU,
+    stop 45): a request admitted there later, shorter than a running row, attended to those
+    columns under the longer row's window with weight 0, and 0 × inf made its draft law NaN (its
+    drafts all rejected; the policy's λ NaN for good). Admission zeroes the slot's drafter
+    context: with every slot's context non-finite beforehand, every draft law of a joining row is
+    finite and decoding stays the target's own."""
+    target, _, _, engine = built
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [list(range(2, 14)), [9, 1, 4]]  # the second joins later and is shorter
+    want = greedy_reference(target, prompts, MAX_TOKENS)
+    for t in (*engine.dcache.k, *engine.dcache.v):
+        t.fill_(float("inf"))
+    laws, draft = [], engine.drafting.draft
+
+    def checked(batch, rows, span=None):
+        tokens, q = draft(batch, rows, span)
+        laws.append(bool(torch.isfinite(q).all()))
+        return tokens, q
+
+    engine.drafting.draft = checked
+    try:
+        knobs = DecodeKnobs(steps=1, draft_len=4)
+        got = run_to_completion(engine, [("long", prompts[0], params, knobs), ("short", prompts[1], params, knobs)],
+                                join_after={"short": 3})
+    finally:
+        del engine.drafting.draft
+    assert [got["long"], got["short"]] == want
+    assert len(laws) > MAX_TOKENS // 4 and all(laws)

@@ -134,8 +134,14 @@ class DrafterContext:
         return self.drafter.draft_ids
 
     def write_prompt(self, hidden: torch.Tensor, row0: int) -> None:
-        """Write the context of prompts prefilled into slots row0 .. row0 + m (hidden [m, P, width])."""
+        """Write the context of prompts prefilled into slots row0 .. row0 + m (hidden [m, P, width]),
+        after zeroing those slots: a drafter package's pass over the first B slots also writes its
+        block columns into the free slots past them, with non-finite values (seen on CPU, stop 45),
+        and a new request's masked columns there (past its length, under a longer row's window)
+        would turn its attention into NaN (a zero weight times a non-finite value)."""
         m, P = hidden.shape[:2]
+        for t in (*self.cache.k, *self.cache.v):
+            t[row0:row0 + m].zero_()
         pos = torch.arange(P, device=self.device).expand(m, P)
         self.cache.write_span(self.drafter.context_kv(hidden, pos, bound=self.cache.max_len), row0, 0)
 
