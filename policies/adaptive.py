@@ -410,7 +410,7 @@ class AdaptivePolicy(Policy):
                 self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
             steps, extra, toks = self._plan[2], self._plan[3], self._plan[4]
         plan = self._plan
-        raw = plan[5:7] if plan is not None and len(plan) > 6 and plan[0] == tuple(rows.request_ids) else None
+        raw = plan[5:] if plan is not None and plan[0] == tuple(rows.request_ids) else None
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
             steps = self._take_suffix(rows, ctx, steps, extra, toks)
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
@@ -568,19 +568,25 @@ class AdaptivePolicy(Policy):
         denoising steps won 0.72 extra tokens where the plan predicted 1.00, one step 0.95 where
         it predicted 0.80 (the shipped drafter gains nothing from a second step), so without
         the ratio the plan paid for a second drafter pass on most greedy steps."""
+        won, predicted = self._diffusion_sums()
+        if not self.diffusion_recalibrate:
+            return torch.ones_like(won)
+        return ((won + DIFFUSION_PRIOR) / (predicted + DIFFUSION_PRIOR)).clamp(0.25, 2.0)
+
+    def _diffusion_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([2, S], [2, S]) the decayed won / predicted sums of `diffusion_accept_ratio`, made
+        (zeros) at first use and again when ``steps_grid`` changed."""
         S = len(self.steps_grid)
-        if self.diffusion_won is None or self.diffusion_won.shape != (2, S):  # first use, or a new grid
+        if self.diffusion_won is None or self.diffusion_won.shape != (2, S):
             self.diffusion_won = torch.zeros(2, S, dtype=torch.float64)
             self.diffusion_predicted = torch.zeros(2, S, dtype=torch.float64)
-        if not self.diffusion_recalibrate:
-            return torch.ones(2, S, dtype=torch.float64)
-        return ((self.diffusion_won + DIFFUSION_PRIOR) / (self.diffusion_predicted + DIFFUSION_PRIOR)).clamp(0.25, 2.0)
+        return self.diffusion_won, self.diffusion_predicted
 
     def _learn_diffusion_accept(self, rows, outcome) -> None:
         """Add this step's diffusion rows' accepted tokens and plan-predicted extra tokens (before
         recalibration) to the decayed sums of their class and step count; a cell without such
         drafts this step lets its evidence fade."""
-        self.diffusion_accept_ratio  # makes the sums for this grid  # noqa: B018
+        self._diffusion_sums()
         found, self._diffusion_expect = self._diffusion_expect, None
         B = len(outcome.accepted)
         expect, level = found if found is not None else (None, None)

@@ -165,9 +165,11 @@ def main(argv=None) -> int:
     rows = []
     engine.config.admission_max_wait_ms = args.admission_max_wait_ms
     # interleaved: an engine per policy (each with its own model copy); else one engine, runs in turn
-    engines = dict(zip(names, engine_copies(engine, len(names)) if args.interleave else [engine] * len(names)))
+    # (variants with engine.FIELD settings get an engine of that config instead, below)
+    shared = [n for n in names if not engine_settings.get(n.partition("+")[0])]
+    engines = dict(zip(shared, engine_copies(engine, len(shared)) if args.interleave else [engine] * len(shared)))
     own_cost = {}  # variant -> the start-up profile of its own engine (as a worker profiles its own)
-    for n in names:  # variants with their own engine settings get an engine of that config instead
+    for n in names:
         own = engine_settings.get(n.partition("+")[0])
         if own:
             from workers.engine import Engine
