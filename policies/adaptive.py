@@ -410,7 +410,7 @@ class AdaptivePolicy(Policy):
                 self._plan = (key, 1, *self._plan_steps(rows, ctx, B, K))
             steps, extra, toks = self._plan[2], self._plan[3], self._plan[4]
         plan = self._plan
-        raw = plan[5:] if plan is not None and plan[0] == tuple(rows.request_ids) else None
+        raw = plan[5:7] if plan is not None and len(plan) > 6 and plan[0] == tuple(rows.request_ids) else None
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
             steps = self._take_suffix(rows, ctx, steps, extra, toks)
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
