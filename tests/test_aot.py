@@ -17,8 +17,10 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, compile_options, list_packages, package_dir
+from workers.aot import (MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass, compile_options,
+                         list_packages, package_dir)
 from workers.engine import PENDING_WINDOW, Engine, EngineConfig
+from workers.kv_cache import KVCache
 from workers.request import DecodeKnobs, SamplingParams
 
 MAX_TOKENS = 20
@@ -116,6 +118,35 @@ def test_the_drafter_package_computes_the_eager_pass(built):
             torch.testing.assert_close(a, t[:B, :, W - Q : W], rtol=1e-4, atol=1e-4)
     assert not program.fits(1, MIN_BLOCK - 1, 20)  # a block of two positions: the eager pass
     assert not program.fits(4, 5, 20) and not program.fits(1, 5, dc.max_len)
+
+
+def test_the_drafter_package_writes_only_its_rows_slots(built, tmp_path):
+    """A pass over the first B slots leaves every slot past them as it was, bit for bit, also for
+    a package exported at B = its cache's slots (2: given the whole cache as input, such a program
+    wrote non-finite block columns into slot 1 on one-row passes; a request admitted there later
+    drafted NaN laws, stop 46), and its logits are the eager pass's."""
+    _, _, _, engine = built
+    drafter = engine.drafter
+    cache = KVCache(len(engine.dcache.k), 2, engine.dcache.k[0].shape[1], engine.dcache.max_len,
+                    engine.dcache.k[0].shape[3], dtype=torch.float32)
+    program, info = aot_draft_pass(drafter, cache, engine.block + 1, cache_dir=tmp_path)
+    assert info["built"]
+    gen = torch.Generator().manual_seed(8)
+    for B, Q, W in ((1, 5, 20), (1, MIN_BLOCK, 9), (2, engine.block + 1, 50), (1, engine.block + 1, 70)):
+        for t in (*cache.k, *cache.v):
+            t.normal_(generator=gen)
+        before = [t.clone() for t in (*cache.k, *cache.v)]
+        tokens = torch.randint(0, engine.vocab, (B, Q), generator=gen)
+        masked = torch.ones(B, Q, dtype=torch.bool)
+        masked[:, 0] = False
+        mask = torch.zeros(B, 1, W)
+        cos, sin = drafter.rope(torch.arange(W - Q, W).expand(B, Q), torch.float32, bound=cache.max_len)
+        got = program(tokens, masked, mask, cos, sin)
+        for a, t in zip(before, (*cache.k, *cache.v)):
+            assert torch.equal(a[B:], t[B:])  # the slots past the pass's rows
+            assert torch.equal(a[:B, :, : W - Q], t[:B, :, : W - Q])  # its rows' context
+        want = drafter.block_logits(tokens, masked, cache.views(0, B, W), mask, cos, sin)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_decoding_through_the_package_is_the_targets_own(built):

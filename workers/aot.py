@@ -172,8 +172,11 @@ class DraftPassForward(nn.Module):
     `B` slots of the drafter-context cache, window W carried as the mask's length.
 
     tokens / masked [B, Q] (the anchor first), mask [B, 1, W] additive (0 = attend), cos / signed
-    sin [B, Q, d], kv: the cache's L key tensors then L value tensors, each [max_batch, kv_heads,
-    cache length, head_dim] (the block's keys and values are written into columns W − Q .. W).
+    sin [B, Q, d], kv: the first B slots of the cache's L key tensors then L value tensors, each
+    [B, kv_heads, cache length, head_dim] (the block's keys and values are written into columns
+    W − Q .. W). Only those slots are inputs: given the whole cache, a program exported at B =
+    max_batch (a cache of 2 slots) also wrote the block columns of the slots past B, with
+    non-finite values (AOTInductor, torch 2.13, CPU; stop 46).
     Returns logits [B, Q − 1, Vd] float32 over the draft vocabulary."""
 
     def __init__(self, drafter: nn.Module):
@@ -210,14 +213,14 @@ def build_draft_package(drafter: nn.Module, cache, qmax: int, path: Path) -> flo
     masked = torch.ones(B, Q, dtype=torch.bool, device=dev)
     masked[:, 0] = False
     cos, sin = drafter.rope(torch.arange(W - Q, W, device=dev).expand(B, Q), dtype, bound=length)
-    kv = tuple(torch.zeros_like(t) for t in cache.k) + tuple(torch.zeros_like(t) for t in cache.v)
+    kv = tuple(torch.zeros_like(t[:B]) for t in (*cache.k, *cache.v))  # the first B slots (`DraftPassForward`)
     example = (tokens, masked, torch.zeros(B, 1, W, dtype=dtype, device=dev), cos, sin, *kv)
     Dim = torch.export.Dim
     rows = Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC
     block = Dim("block", min=MIN_BLOCK, max=qmax)
     dynamic = {"tokens": {0: rows, 1: block}, "masked": {0: rows, 1: block},
                "mask": {0: rows, 2: Dim("window", min=MIN_BLOCK + 1, max=length - 1)},
-               "cos": {0: rows, 1: block}, "sin": {0: rows, 1: block}, "kv": tuple(None for _ in kv)}
+               "cos": {0: rows, 1: block}, "sin": {0: rows, 1: block}, "kv": tuple({0: rows} for _ in kv)}
     return _package(DraftPassForward(drafter).eval(), example, dynamic, path)
 
 
@@ -303,7 +306,8 @@ class AotDraftPass:
 
     def __call__(self, tokens, masked, mask, cos, sin):
         self.calls += 1
-        flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *self.kv])
+        B = tokens.shape[0]
+        flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *(t[:B] for t in self.kv)])
         return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
 
 

@@ -135,10 +135,10 @@ class DrafterContext:
 
     def write_prompt(self, hidden: torch.Tensor, row0: int) -> None:
         """Write the context of prompts prefilled into slots row0 .. row0 + m (hidden [m, P, width]),
-        after zeroing those slots: a drafter package's pass over the first B slots also writes its
-        block columns into the free slots past them, with non-finite values (seen on CPU, stop 45),
-        and a new request's masked columns there (past its length, under a longer row's window)
-        would turn its attention into NaN (a zero weight times a non-finite value)."""
+        after zeroing those slots, so that a new request never depends on what a slot held before:
+        its masked columns (past its length, under a longer row's window) enter attention with
+        weight 0, and 0 times a non-finite value is NaN. (Drafter packages built before stop 46
+        wrote non-finite block columns into free slots; workers/aot.py `DraftPassForward`.)"""
         m, P = hidden.shape[:2]
         for t in (*self.cache.k, *self.cache.v):
             t[row0:row0 + m].zero_()
