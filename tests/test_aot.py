@@ -282,13 +282,12 @@ def test_compile_options_of_the_clis():
 
 
 def test_a_request_joining_a_slot_with_non_finite_drafter_context_drafts_finite_laws(built):
-    """A drafter package's pass over the first B slots also writes its block columns into the free
-    slots past them, with non-finite values where the program computes nothing (SmolLM2 on CPU,
-    stop 45): a request admitted there later, shorter than a running row, attended to those
-    columns under the longer row's window with weight 0, and 0 × inf made its draft law NaN (its
-    drafts all rejected; the policy's λ NaN for good). Admission zeroes the slot's drafter
-    context: with every slot's context non-finite beforehand, every draft law of a joining row is
-    finite and decoding stays the target's own."""
+    """A request admitted into a slot whose drafter context holds non-finite values (as drafter
+    packages built before stop 46 left in free slots: the test above) attends to those columns,
+    shorter than a running row, under the longer row's window with weight 0, and 0 × inf made its
+    draft law NaN (its drafts all rejected; the policy's λ NaN for good; stop 45). Admission
+    zeroes the slot's drafter context: with every slot's context non-finite beforehand, every
+    draft law of a joining row is finite and decoding stays the target's own."""
     target, _, _, engine = built
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [list(range(2, 14)), [9, 1, 4]]  # the second joins later and is shorter
