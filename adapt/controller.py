@@ -96,6 +96,7 @@ class AdaptiveSettings(_Settings):
     hold_share: float = Field(default=None)
     sla_guard: bool = Field(default=None)
     sla_clock: Literal["wall", "decode"] = Field(default=None)
+    sla_copy_credit: float = Field(default=None, ge=0.0, le=1.0)
 
 
 class ExploreSettings(_Settings):
