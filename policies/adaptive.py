@@ -108,7 +108,7 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 sla_copy_credit: float = 1.0,
+                 sla_copy_credit: float = 1.0, sla_guard_behind: bool = False, sla_guard_plan: bool = False,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
@@ -130,6 +130,9 @@ class AdaptivePolicy(Policy):
         # the share of a protected row's own expected copy tokens that the SLA guard counts on
         # (1: the table's expectation; 0: the worst case, the copy wins nothing)
         self.sla_copy_credit = float(sla_copy_credit)
+        # rows already behind their target veto candidates that lower their own expected tokens
+        # per ms (`keeps_targets`); the diffusion plan is held to the same guard as suffix choices
+        self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
@@ -494,7 +497,8 @@ class AdaptivePolicy(Policy):
             # a row's own copy counts `sla_copy_credit` of its expected tokens: a copy that wins
             # nothing must still keep the row on target when the credit is 0
             got = torch.where(take, self.sla_copy_credit * expect, plan_extra[:, None])  # [B, C]
-            value = torch.where(keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack), value, 0.0)
+            keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self.sla_guard_behind)
+            value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
         # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
@@ -757,6 +761,9 @@ class AdaptivePolicy(Policy):
                 ms[1:] = ms[1:] + fixed_extra
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
+            if self.sla_guard and self.sla_guard_plan:  # candidates that push a row off its target are worth 0
+                theta = torch.where(self._plan_keeps(rows, ctx, ms.float(), order, count, cur_gain, gain[:, i], w_base, w),
+                                    theta, 0.0)
             if i == 0 and self.allow_no_draft:
                 # drafting stays the default: rows stay without drafts only where that is predicted
                 # to be at least `no_draft_margin` better (the prior is noisy for a single row)
@@ -775,6 +782,22 @@ class AdaptivePolicy(Policy):
         raw_extra = torch.where(level >= 0, raw_extra, torch.zeros_like(raw_extra))
         return (steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu(),
                 raw_extra.float().cpu(), level.clamp_min(0).cpu())
+
+    def _plan_keeps(self, rows, ctx, ms: torch.Tensor, order: torch.Tensor, count: int, cur_gain: torch.Tensor,
+                    new_gain: torch.Tensor, w_base: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[B + 1] `keeps_targets` for a level of the plan: candidate ``n`` admits the first ``n``
+        rows of ``order`` (of ``count`` eligible) to the level, at ``ms`` [B + 1] predicted; each
+        row's expected tokens are its one token plus its planned extra tokens, ``(gain − w_base) / w``
+        (``cur_gain`` [B] before the level, ``new_gain`` [B] admitted to it)."""
+        B = len(order)
+        rank = torch.empty(B, dtype=torch.int64).index_copy_(0, order.cpu(), torch.arange(B))   # [B] place in `order`
+        w = w.cpu().clamp_min(1e-9)
+        now = 1.0 + (cur_gain.cpu() - w_base.cpu()) / w                                 # [B] expected tokens
+        then = 1.0 + (new_gain.cpu() - w_base.cpu()) / w
+        n = torch.arange(B + 1)                                                         # [C] rows admitted
+        tokens = torch.where(rank[:, None] < n[None, :], then[:, None], now[:, None])   # [B, C]
+        keeps = keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self.sla_guard_behind)
+        return keeps & (n <= count)
 
     def _lambda(self, base: float, B: int) -> torch.Tensor:
         """λ as a plan reads it: the last drafting step's (`threshold`), but never below what a
@@ -867,7 +890,7 @@ def verified_drafts(outcome) -> bool:
 
 
 def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
-                  remaining: torch.Tensor | None = None, slack: float = 1.0) -> torch.Tensor:
+                  remaining: torch.Tensor | None = None, slack: float = 1.0, behind: bool = False) -> torch.Tensor:
     """[C] whether candidate step ``c`` (predicted ``ms`` [C], expected tokens per row ``tokens``
     [B, C], column 0 the plan) keeps every row that meets its TPOT target under the plan within
     ``slack`` times it (a headroom for what the prediction does not know: the prefills to come,
@@ -883,8 +906,10 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
     A protected row (one that meets ``T`` = its target under the plan) must meet ``slack · T``
     under the candidate; with ``slack < 1`` a protected row already past ``slack · T`` under the
     plan rules out every widening step (the plan, column 0, stays the choice). Rows without a
-    target, or already behind it under the plan, do not constrain (their weight in the objective
-    does)."""
+    target do not constrain; rows already behind it under the plan do not either (their weight in
+    the objective does), unless ``behind``: then such a row vetoes every candidate that lowers its
+    own expected tokens per ms (``tokens / ms`` below the plan's), so drafting for others (or a
+    draft of its own that is not predicted to pay) does not put it further behind."""
     target = ctx["tpot_ms"].cpu()[:, None]                                            # [B, 1] inf = none
     elapsed, count = ctx["elapsed_ms"].cpu()[:, None], ctx["tokens"].cpu()[:, None]   # [B, 1]
     finish = left = None
@@ -898,7 +923,13 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
         ok = elapsed + ms[None, :] <= T * (count + tokens)
         return ok if finish is None else ok & (finish <= T * (count + left))
 
-    return ~(meets(target)[:, :1] & ~meets(slack * target)).any(0)
+    protected = meets(target)[:, :1]                                                  # [B, 1]
+    keeps = ~(protected & ~meets(slack * target)).any(0)                              # [C]
+    if behind:
+        late = torch.isfinite(target) & ~protected                                    # [B, 1] behind under the plan
+        rate = tokens / ms.clamp_min(1e-6)[None, :]                                   # [B, C] own tokens per ms
+        keeps = keeps & ~(late & (rate < rate[:, :1] * (1.0 - 1e-6))).any(0)
+    return keeps
 
 
 def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:
