@@ -132,7 +132,7 @@ class AdaptivePolicy(Policy):
         self.sla_copy_credit = float(sla_copy_credit)
         # rows already behind their target veto candidates that lower their own expected tokens
         # per ms (`keeps_targets`); the diffusion plan is held to the same guard as suffix choices
-        self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
+        self.sla_guard_behind, self.sla_guard_plan = (sla_guard_behind if sla_guard_behind == "end" else bool(sla_guard_behind)), bool(sla_guard_plan)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
@@ -926,7 +926,10 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
     protected = meets(target)[:, :1]                                                  # [B, 1]
     keeps = ~(protected & ~meets(slack * target)).any(0)                              # [C]
     if behind:
-        late = torch.isfinite(target) & ~protected                                    # [B, 1] behind under the plan
+        if behind == "end" and finish is not None:  # late: cannot finish on target at the plan's pace
+            late = torch.isfinite(target) & ~(finish[:, :1] <= target * (count + left))
+        else:
+            late = torch.isfinite(target) & ~protected                                # [B, 1] behind under the plan
         rate = tokens / ms.clamp_min(1e-6)[None, :]                                   # [B, C] own tokens per ms
         keeps = keeps & ~(late & (rate < rate[:, :1] * (1.0 - 1e-6))).any(0)
     return keeps

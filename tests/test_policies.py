@@ -214,6 +214,30 @@ def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
     assert (never.choose_steps(rows) >= 1).all()
 
 
+def test_sla_guard_plan_keeps_a_protected_row_on_target_while_others_draft():
+    """Row 0 meets a 5.02 ms/token target with 0.2 ms to spare (ten 5 ms plain steps). A drafter
+    pass of one row costs 0.5 ms, of two rows 5 ms, so the unguarded plan drafts for the
+    confident row 1 alone. That step (5.5 ms) would bring row 0 one token and put it past its
+    target; drafting for both (10 ms) would too, as row 0's drafts are predicted to win little:
+    with `sla_guard_plan` the plan keeps both rows plain."""
+    import dataclasses
+
+    from adapt.cost_model import CostModel, Table
+
+    targets = [RequestTargets(tpot_ms=5.02), RequestTargets()]
+    rows = dataclasses.replace(make_rows(2, targets=targets), recent_accept=torch.tensor([0.0, 0.95]))
+    cost = CostModel(Table([1, 1024], [5.0, 5.01]), Table([1, 2, 256], [0.5, 5.0, 500.0]))
+    chosen = {}
+    for guard in (False, True):
+        p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, sla_slack=1.0, sla_guard_plan=guard)
+        for _ in range(10):
+            p.observe(rows, StepOutcome(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                                        torch.zeros(2), 0.005, 2))
+        chosen[guard] = p.choose_steps(rows).tolist()
+    assert chosen[False][0] == 0 and chosen[False][1] >= 1
+    assert chosen[True] == [0, 0]
+
+
 def test_adaptive_plans_short_drafts_before_it_knows_a_threshold():
     """A fresh policy has verified nothing, so λ (the worth of the marginal verified slot) is
     unknown; a plan at λ = 0 would verify the whole block, which on a CPU costs twice a plain

@@ -474,6 +474,39 @@ def test_sla_copy_credit_prices_a_protected_rows_own_copy():
         AdaptivePolicy(cost=cost, sla_copy_credit=1.5)
 
 
+def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
+    """The tight row is already behind its 12 ms/token target (140 ms for 10 tokens): by default
+    it does not constrain, and the other row copies its whole confident draft; with
+    `sla_guard_behind` a late row vetoes every candidate that lowers its own expected tokens per
+    ms, so the other row's copy (a wider step, nothing for the late row) is declined. A late
+    row's own confident copy raises its rate and stays allowed."""
+    import dataclasses
+
+    from adapt.targets import RequestTargets
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX
+
+    rows = _tight_and_copy_rows(12.0, generated=10)
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    chosen = {}
+    for behind in (False, True):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
+                                sla_guard_behind=behind)
+        _observe_plain(policy, rows, 10, 0.014)  # 14 ms per token, past the 12 ms target
+        steps = policy.choose_steps(rows)
+        chosen[behind] = (steps.tolist(), int(policy._suffix_k[1]))
+    assert chosen[False][0] == [0, SUFFIX] and chosen[False][1] >= 6
+    assert chosen[True] == ([0, 0], 0)
+    # the late row's own copy: its expected tokens pay for the wider step, so it takes it
+    own = dataclasses.replace(rows, targets=[None, RequestTargets(tpot_ms=12.0)])
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
+                            sla_guard_behind=True)
+    _observe_plain(policy, own, 10, 0.014)
+    assert policy.choose_steps(own).tolist() == [0, SUFFIX]
+    assert int(policy._suffix_k[1]) >= 6
+
+
 def test_sla_guard_looks_ahead_with_the_batchs_stalls():
     """Under the wall clock the batch's stalls (time outside decode steps: other requests'
     prefills) count in a row's pace to the end: 10 plain 10 ms steps took 140 ms of wall time for
