@@ -96,7 +96,6 @@ class AdaptiveSettings(_Settings):
     hold_share: float = Field(default=None)
     sla_guard: bool = Field(default=None)
     sla_clock: Literal["wall", "decode"] = Field(default=None)
-    sla_copy_credit: float = Field(default=None, ge=0.0, le=1.0)
     sla_guard_behind: bool = Field(default=None)
     sla_guard_plan: bool = Field(default=None)
 

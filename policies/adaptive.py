@@ -108,7 +108,7 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 sla_copy_credit: float = 1.0, sla_guard_behind: bool = False, sla_guard_plan: bool = False,
+                 sla_guard_behind: bool = False, sla_guard_plan: bool = False,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
@@ -125,14 +125,9 @@ class AdaptivePolicy(Policy):
         self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
         self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
         self.sla_guard = bool(sla_guard)
-        if not 0.0 <= sla_copy_credit <= 1.0:
-            raise ValueError(f"sla_copy_credit: must be in [0, 1], got {sla_copy_credit!r}")
-        # the share of a protected row's own expected copy tokens that the SLA guard counts on
-        # (1: the table's expectation; 0: the worst case, the copy wins nothing)
-        self.sla_copy_credit = float(sla_copy_credit)
         # rows already behind their target veto candidates that lower their own expected tokens
         # per ms (`keeps_targets`); the diffusion plan is held to the same guard as suffix choices
-        self.sla_guard_behind, self.sla_guard_plan = (sla_guard_behind if sla_guard_behind == "end" else bool(sla_guard_behind)), bool(sla_guard_plan)
+        self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
@@ -494,9 +489,7 @@ class AdaptivePolicy(Policy):
         planned = float((self.base_weights(ctx).cpu() + w * plan_extra).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
-            # a row's own copy counts `sla_copy_credit` of its expected tokens: a copy that wins
-            # nothing must still keep the row on target when the credit is 0
-            got = torch.where(take, self.sla_copy_credit * expect, plan_extra[:, None])  # [B, C]
+            got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
             keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self.sla_guard_behind)
             value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
@@ -926,10 +919,7 @@ def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
     protected = meets(target)[:, :1]                                                  # [B, 1]
     keeps = ~(protected & ~meets(slack * target)).any(0)                              # [C]
     if behind:
-        if behind == "end" and finish is not None:  # late: cannot finish on target at the plan's pace
-            late = torch.isfinite(target) & ~(finish[:, :1] <= target * (count + left))
-        else:
-            late = torch.isfinite(target) & ~protected                                # [B, 1] behind under the plan
+        late = torch.isfinite(target) & ~protected                                    # [B, 1] behind under the plan
         rate = tokens / ms.clamp_min(1e-6)[None, :]                                   # [B, C] own tokens per ms
         keeps = keeps & ~(late & (rate < rate[:, :1] * (1.0 - 1e-6))).any(0)
     return keeps

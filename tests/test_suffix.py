@@ -443,37 +443,6 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     assert int(policy._suffix_k[1]) == chosen[False]
 
 
-def test_sla_copy_credit_prices_a_protected_rows_own_copy():
-    """The copying row itself has the 14.5 ms/token target (2 ms per verified position): trusting
-    its table's expectation (`sla_copy_credit=1`, the default) the guard lets it take its whole
-    confident draft, since the tokens it expects pay for the wider step; with credit 0 the guard
-    prices the copy at its worst case (it wins nothing) and lets the row take only what keeps it
-    on target even then."""
-    import dataclasses
-
-    import pytest
-
-    from adapt.targets import RequestTargets
-    from policies.adaptive import AdaptivePolicy
-    from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
-
-    rows = dataclasses.replace(_tight_and_copy_rows(14.5, generated=10), targets=[None, RequestTargets(tpot_ms=14.5)])
-    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
-    chosen = {}
-    for credit in (1.0, 0.0):
-        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
-                                sla_copy_credit=credit)
-        _observe_plain(policy, rows, 10, 0.014)  # 140 ms for 10 tokens, within 14.5 ms/token
-        assert policy.choose_steps(rows).tolist() == [0, SUFFIX]
-        chosen[credit] = int(policy._suffix_k[1])
-    assert chosen[1.0] >= 6
-    # worst case: 140 + 14 + 2·k <= 14.5·11 = 159.5 with the copy winning nothing, so k <= 2
-    assert 1 <= chosen[0.0] <= 2
-    with pytest.raises(ValueError, match="sla_copy_credit"):
-        AdaptivePolicy(cost=cost, sla_copy_credit=1.5)
-
-
 def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
     """The tight row is already behind its 12 ms/token target (140 ms for 10 tokens): by default
     it does not constrain, and the other row copies its whole confident draft; with
