@@ -125,8 +125,9 @@ class AdaptivePolicy(Policy):
         self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
         self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
         self.sla_guard = bool(sla_guard)
-        # rows already behind their target veto candidates that lower their own expected tokens
-        # per ms (`keeps_targets`); the diffusion plan is held to the same guard as suffix choices
+        # with `sla_guard_behind`, rows already behind their target veto candidates that lower
+        # their own expected tokens per ms (`keeps_targets`); with `sla_guard_plan`, the diffusion
+        # plan is held to the same guard as suffix choices (`_plan_keeps`)
         self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
@@ -755,7 +756,7 @@ class AdaptivePolicy(Policy):
             theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
             count = int(eligible.sum())
             if self.sla_guard and self.sla_guard_plan:  # candidates that push a row off its target are worth 0
-                theta = torch.where(self._plan_keeps(rows, ctx, ms.float(), order, count, cur_gain, gain[:, i], w_base, w),
+                theta = torch.where(self._plan_keeps(rows, ctx, ms.float(), order, cur_gain, gain[:, i], w_base, w),
                                     theta, 0.0)
             if i == 0 and self.allow_no_draft:
                 # drafting stays the default: rows stay without drafts only where that is predicted
@@ -770,27 +771,26 @@ class AdaptivePolicy(Policy):
             prev_s = s
         steps = torch.where(level >= 0, grid[level.clamp_min(0)], torch.zeros_like(level))
         # (a closed batch may weigh a row's extra tokens at 0: then it has none planned)
-        extra = torch.where(level >= 0, (cur_gain - w_base) / w.clamp_min(1e-9), torch.zeros_like(w))
+        extra = torch.where(level >= 0, planned_extra(cur_gain, w_base, w), torch.zeros_like(w))
         raw_extra = (raw * keep).sum(-1).gather(1, level.clamp_min(0)[:, None])[:, 0]   # [B] before the ratio
         raw_extra = torch.where(level >= 0, raw_extra, torch.zeros_like(raw_extra))
         return (steps, extra.cpu(), torch.where(level >= 0, cur_tok, torch.ones_like(cur_tok)).cpu(),
                 raw_extra.float().cpu(), level.clamp_min(0).cpu())
 
-    def _plan_keeps(self, rows, ctx, ms: torch.Tensor, order: torch.Tensor, count: int, cur_gain: torch.Tensor,
+    def _plan_keeps(self, rows, ctx, ms: torch.Tensor, order: torch.Tensor, cur_gain: torch.Tensor,
                     new_gain: torch.Tensor, w_base: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[B + 1] `keeps_targets` for a level of the plan: candidate ``n`` admits the first ``n``
-        rows of ``order`` (of ``count`` eligible) to the level, at ``ms`` [B + 1] predicted; each
-        row's expected tokens are its one token plus its planned extra tokens, ``(gain − w_base) / w``
-        (``cur_gain`` [B] before the level, ``new_gain`` [B] admitted to it)."""
+        rows of ``order`` to the level, at ``ms`` [B + 1] predicted; each row's expected tokens are
+        its one token plus its planned extra tokens (`planned_extra`; ``cur_gain`` [B] before the
+        level, ``new_gain`` [B] admitted to it)."""
         B = len(order)
-        rank = torch.empty(B, dtype=torch.int64).index_copy_(0, order.cpu(), torch.arange(B))   # [B] place in `order`
-        w = w.cpu().clamp_min(1e-9)
-        now = 1.0 + (cur_gain.cpu() - w_base.cpu()) / w                                 # [B] expected tokens
-        then = 1.0 + (new_gain.cpu() - w_base.cpu()) / w
+        rank = torch.argsort(order.cpu())                                               # [B] place in `order`
+        w_base, w = w_base.cpu(), w.cpu()
+        now = 1.0 + planned_extra(cur_gain.cpu(), w_base, w)                            # [B] expected tokens
+        then = 1.0 + planned_extra(new_gain.cpu(), w_base, w)
         n = torch.arange(B + 1)                                                         # [C] rows admitted
         tokens = torch.where(rank[:, None] < n[None, :], then[:, None], now[:, None])   # [B, C]
-        keeps = keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self.sla_guard_behind)
-        return keeps & (n <= count)
+        return keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self.sla_guard_behind)
 
     def _lambda(self, base: float, B: int) -> torch.Tensor:
         """λ as a plan reads it: the last drafting step's (`threshold`), but never below what a
@@ -880,6 +880,13 @@ def batch_bucket(batch: int) -> int:
 def verified_drafts(outcome) -> bool:
     """Whether some row verified drafts in the step of `outcome` (it took the drafting path)."""
     return bool((torch.as_tensor(outcome.verified) > 0).any())
+
+
+def planned_extra(gain: torch.Tensor, w_base: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[B] the extra tokens a plan expects of each row from its weighted gain ``gain`` [B]
+    (``w_base`` [B] for the one token every step emits, ``w`` [B] per extra token; a row whose
+    extra tokens weigh 0, in a closed batch, has none)."""
+    return (gain - w_base) / w.clamp_min(1e-9)
 
 
 def keeps_targets(ctx: dict, ms: torch.Tensor, tokens: torch.Tensor,
