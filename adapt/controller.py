@@ -97,6 +97,7 @@ class AdaptiveSettings(_Settings):
     sla_guard: bool = Field(default=None)
     sla_clock: Literal["wall", "decode"] = Field(default=None)
     sla_guard_behind: bool = Field(default=None)
+    sla_guard_behind_rows: int = Field(default=None, ge=1)
     sla_guard_plan: bool = Field(default=None)
 
 

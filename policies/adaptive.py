@@ -108,7 +108,7 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 sla_guard_behind: bool = False, sla_guard_plan: bool = False,
+                 sla_guard_behind: bool = False, sla_guard_behind_rows: int = 1, sla_guard_plan: bool = False,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
@@ -128,7 +128,12 @@ class AdaptivePolicy(Policy):
         # with `sla_guard_behind`, rows already behind their target veto candidates that lower
         # their own expected tokens per ms (`keeps_targets`); with `sla_guard_plan`, the diffusion
         # plan is held to the same guard as suffix choices (`_plan_keeps`)
+        # (the late rows' veto only in batches of at least `sla_guard_behind_rows` rows: in a small
+        # batch a copy widens the step little, and declining it costs its own row's tokens)
         self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
+        if not isinstance(sla_guard_behind_rows, int) or sla_guard_behind_rows < 1:
+            raise ValueError(f"sla_guard_behind_rows: must be an integer >= 1, got {sla_guard_behind_rows!r}")
+        self.sla_guard_behind_rows = sla_guard_behind_rows
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
@@ -491,7 +496,7 @@ class AdaptivePolicy(Policy):
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
             got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
-            keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self.sla_guard_behind)
+            keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self._behind_veto(B))
             value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
@@ -790,7 +795,13 @@ class AdaptivePolicy(Policy):
         then = 1.0 + planned_extra(new_gain.cpu(), w_base, w)
         n = torch.arange(B + 1)                                                         # [C] rows admitted
         tokens = torch.where(rank[:, None] < n[None, :], then[:, None], now[:, None])   # [B, C]
-        return keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self.sla_guard_behind)
+        return keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self._behind_veto(B))
+
+    def _behind_veto(self, B: int) -> bool:
+        """Whether rows behind their target veto what slows them in a step of ``B`` rows
+        (`keeps_targets`' ``behind``): with `sla_guard_behind`, in batches of at least
+        `sla_guard_behind_rows` rows."""
+        return self.sla_guard_behind and B >= self.sla_guard_behind_rows
 
     def _lambda(self, base: float, B: int) -> torch.Tensor:
         """λ as a plan reads it: the last drafting step's (`threshold`), but never below what a
