@@ -108,7 +108,7 @@ class AdaptivePolicy(Policy):
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
-                 sla_guard_behind: bool = False, sla_guard_behind_rows: int = 1, sla_guard_plan: bool = False,
+                 sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):

@@ -444,7 +444,8 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
 
 
 def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
-    """The tight row is already behind its 12 ms/token target (140 ms for 10 tokens): by default
+    """The tight row is already behind its 12 ms/token target (140 ms for 10 tokens): without
+    `sla_guard_behind` (or in a batch of fewer than `sla_guard_behind_rows` rows, 3 by default)
     it does not constrain, and the other row copies its whole confident draft; with
     `sla_guard_behind` a late row vetoes every candidate that lowers its own expected tokens per
     ms, so the other row's copy (a wider step, nothing for the late row) is declined. A late
@@ -461,16 +462,28 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
     chosen = {}
     for behind in (False, True):
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
-                                sla_guard_behind=behind)
+                                sla_guard_behind=behind, sla_guard_behind_rows=1)
         _observe_plain(policy, rows, 10, 0.014)  # 14 ms per token, past the 12 ms target
         steps = policy.choose_steps(rows)
         chosen[behind] = (steps.tolist(), int(policy._suffix_k[1]))
     assert chosen[False][0] == [0, SUFFIX] and chosen[False][1] >= 6
     assert chosen[True] == ([0, 0], 0)
+    # `sla_guard_behind_rows`: the veto only in batches of at least that many rows (this one has 2;
+    # the default, 3: on by default from three rows)
+    default = AdaptivePolicy()
+    assert default.sla_guard_behind and default.sla_guard_behind_rows == 3
+    for min_rows, want in ((2, chosen[True]), (3, chosen[False])):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
+                                sla_guard_behind=True, sla_guard_behind_rows=min_rows)
+        _observe_plain(policy, rows, 10, 0.014)
+        steps = policy.choose_steps(rows)
+        assert (steps.tolist(), int(policy._suffix_k[1])) == want
+    with pytest.raises(ValueError, match="sla_guard_behind_rows"):
+        AdaptivePolicy(sla_guard_behind=True, sla_guard_behind_rows=0)
     # the late row's own copy: its expected tokens pay for the wider step, so it takes it
     own = dataclasses.replace(rows, targets=[None, RequestTargets(tpot_ms=12.0)])
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
-                            sla_guard_behind=True)
+                            sla_guard_behind=True, sla_guard_behind_rows=1)
     _observe_plain(policy, own, 10, 0.014)
     assert policy.choose_steps(own).tolist() == [0, SUFFIX]
     assert int(policy._suffix_k[1]) >= 6
