@@ -112,7 +112,12 @@ def test_cli_policy_set_changes_settings_as_a_new_version(tmp_path, capsys):
     assert "policy.settings.steps_grid" in capsys.readouterr().err and path.read_bytes() == before
     assert cli_main(["policy", "set", str(path), "--settings", "[1]"]) == 2
     assert "settings: must be a non-empty JSON object" in capsys.readouterr().err and path.read_bytes() == before
+    # the late rows' veto from a batch size: at least one row
+    assert cli_main(["policy", "set", str(path), "--settings", json.dumps({"sla_guard_behind_rows": 0})]) == 2
+    assert "policy.settings.sla_guard_behind_rows" in capsys.readouterr().err and path.read_bytes() == before
     assert cli_main(["policy", "set", str(path), "--settings", json.dumps({"steps_grid": [1]})]) == 0
     pf = policy_file.load(path)
     assert pf.settings == {"steps_grid": [1], "sla_weight": 3.0} and pf.version != first
     assert build_policy(policy=pf).steps_grid == (1,)
+    assert cli_main(["policy", "set", str(path), "--settings", json.dumps({"sla_guard_behind_rows": 1})]) == 0
+    assert build_policy(policy=policy_file.load(path)).sla_guard_behind_rows == 1
