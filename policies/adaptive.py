@@ -126,10 +126,10 @@ class AdaptivePolicy(Policy):
         self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
         self.sla_guard = bool(sla_guard)
         # with `sla_guard_behind`, rows already behind their target veto candidates that lower
-        # their own expected tokens per ms (`keeps_targets`); with `sla_guard_plan`, the diffusion
-        # plan is held to the same guard as suffix choices (`_plan_keeps`)
-        # (the late rows' veto only in batches of at least `sla_guard_behind_rows` rows: in a small
-        # batch a copy widens the step little, and declining it costs its own row's tokens)
+        # their own expected tokens per ms (`keeps_targets`), in batches of at least
+        # `sla_guard_behind_rows` rows (`_behind_veto`: in a smaller batch a copy widens the step
+        # little, and declining it costs its own row's tokens); with `sla_guard_plan`, the
+        # diffusion plan is held to the same guard as suffix choices (`_plan_keeps`)
         self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
         if not isinstance(sla_guard_behind_rows, int) or sla_guard_behind_rows < 1:
             raise ValueError(f"sla_guard_behind_rows: must be an integer >= 1, got {sla_guard_behind_rows!r}")
