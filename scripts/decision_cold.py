@@ -5,7 +5,7 @@ prefix scheduler (`greedy_prefix`) and the cost table over a verify span (`CostM
 A live engine step runs the target's forward between two decisions, which fills the CPU's caches
 with weights, so the decision's code and data come back cold; a loop that times the same call
 again and again measures it warm. Each call is timed ``--calls`` times per mode and the median is
-printed, in µs (stop 48: survival of 2 rows × 16 positions 153 µs warm, 647 µs after a 2048²
+printed, in µs (stop 48: survival of 2 rows × 16 positions 151 µs warm, 655 µs after a 2048²
 matmul on this 2-core machine; docs/controller.md). Example:
 
     python scripts/decision_cold.py --rows 2 --out results/decision-cold-48.json
