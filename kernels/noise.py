@@ -4,11 +4,11 @@ Each request owns a `torch.Generator` (seeded from its sampling seed), so its co
 noise do not depend on which other requests share the batch: a seeded request gives the same
 tokens alone or batched, on either backend.
 
-*Noise rows*: the Exp(1) vectors [V] of the exponential race. A rule whose accept decision reads
-the noise (`kernels.rules.ACCEPT_READS_NOISE`: MATCH) needs one per target row (k_r + 1); every
-other rule samples only the token emitted where the row stops, so one noise row per request
-serves all its positions (vLLM draws [B, V] for the same reason), and a GREEDY row reads none
-(it gets a row of ones). `verify`'s `noise_rows` maps each target row to its noise row.
+*Noise rows*: the Exp(1) vectors [V] of the exponential race. No rule's accept decision reads the
+noise (`kernels.rules`): it samples only the token emitted where the row stops, so one noise row
+per request serves all its positions (vLLM draws [B, V] for the same reason), and a GREEDY row
+reads none (it gets a row of ones). `verify`'s `noise_rows` maps each target row to its noise row.
+Without rules (`rules=None`) every target row gets its own noise row.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from kernels.layout import RaggedLayout
-from kernels.rules import ACCEPT_READS_NOISE, Rule
+from kernels.rules import Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +29,11 @@ class Noise:
 
 
 def noise_counts(num_draft: list[int], rules: list[int] | None) -> list[int]:
-    """Noise rows per request: k_r + 1 where the rule's accept reads noise (or `rules` is None),
-    1 otherwise (one race sample where the row stops; a GREEDY row's row is ones)."""
+    """Noise rows per request: 1 with `rules` (one race sample where the row stops; a GREEDY row's
+    row is ones), k_r + 1 (one per target row) when `rules` is None."""
     if rules is None:
         return [k + 1 for k in num_draft]
-    return [k + 1 if k and r in ACCEPT_READS_NOISE else 1 for k, r in zip(num_draft, rules)]
+    return [1] * len(num_draft)
 
 
 def draw_noise(

@@ -116,14 +116,33 @@ def positions_reference(
 
 
 def _decide(rid, p, q, e, x, draft, u, prm, prm2):
-    """(accept [n], token [n], tvd [n] or None) for n target rows sharing rule `rid`."""
+    """(accept [n], token [n], tvd [n] or None) for n target rows sharing rule `rid`: the rule's
+    accept decision and TVD (`decide_accept`) and the token each row emits if it stops there
+    (`emit_token`), at every row."""
     px = p.gather(1, x).squeeze(1)                                       # [n]
+    qx = None if q is None else q.gather(1, x).squeeze(1)                # [n]
+    acc, d, y = decide_accept(rid, p, q, x, px, qx, u, prm, prm2)
+    if y is None:
+        y = emit_token(rid, p, q, e, x, draft, px)
+    return acc, y, d
+
+
+# rules whose accept decision or TVD reads q over the whole vocabulary (REJECTION reads only q(x))
+READS_Q_ROWS = frozenset({Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG, Rule.TYPICAL})
+
+
+def decide_accept(rid, p, q, x, px, qx, u, prm, prm2):
+    """(accept [n] bool, tvd [n] or None, token [n] or None) of n target rows sharing rule `rid`,
+    from p [n, V], the drafted tokens x [n, 1], px = p(x) and qx = q(x) [n] (None where the rule
+    reads no q), q [n, V] (needed
+    only by `READS_Q_ROWS`; None for TYPICAL means no q) and the coins u [n]. The token is given
+    only where the accept decision computes it anyway (GREEDY: argmax p); otherwise
+    `emit_token` gives it. No rule's accept reads the race noise."""
     if rid == Rule.GREEDY:
         y = p.argmax(-1)
-        return y == x.squeeze(1), y, None
-    if rid == Rule.MATCH:
-        y = race(p, e)[0]
-        return y == x.squeeze(1), y, None
+        return y == x.squeeze(1), None, y
+    if rid == Rule.MATCH:  # a sample of p equals x with probability p(x): one coin decides it
+        return u < px, None, None
     if rid == Rule.TYPICAL:
         plogp = torch.where(p > 0, p * torch.log(p), torch.zeros((), device=p.device))
         entropy = -plogp.sum(-1)                                         # [n]
@@ -135,33 +154,43 @@ def _decide(rid, p, q, e, x, draft, u, prm, prm2):
             qa = torch.where(p > thr[:, None], q, torch.zeros((), device=p.device))
             mass = qa.sum(-1, keepdim=True)                              # [n, 1] accepted mass
             d = 0.5 * (qa - mass * p).abs().sum(-1)
-        return acc, race(p, e)[0], d
-    qx = q.gather(1, x).squeeze(1)
+        return acc, d, None
     if rid == Rule.REJECTION:
-        acc = u * qx < px                                               # P = min(1, p/q) for u ~ U[0, 1)
-        return acc, _race_or_target(torch.sub(p, q).clamp_(min=0.0), p, e), None
+        return u * qx < px, None, None                                   # P = min(1, p/q) for u ~ U[0, 1)
     if rid == Rule.EPS_TVD:
-        residual = torch.sub(p, q).clamp_(min=0.0)                       # [n, V] (p - q)+
-        tv = residual.sum(-1)                                            # [n] TV(p, q)
+        tv = torch.sub(p, q).clamp_(min=0.0).sum(-1)                     # [n] TV(p, q) = sum (p - q)+
         ratio = torch.where(tv > prm, prm / tv, torch.ones_like(tv))     # share of the gap closed
         acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
-        return acc, _race_or_target(residual, p, e), torch.minimum(prm, tv)
+        return acc, torch.minimum(prm, tv), None
     if rid == Rule.LAMBDA:
         lam = prm
         acc = u * (lam * qx) < px
         accepted_mass = torch.where(p >= lam[:, None] * q, q, p / lam[:, None])   # q * min(1, p/(lam q))
-        d = (accepted_mass - p).clamp_min(0.0).sum(-1)
-        return acc, _race_or_target(torch.sub(p, q).clamp_(min=0.0), p, e), d
+        return acc, (accepted_mass - p).clamp_min(0.0).sum(-1), None
     if rid == Rule.SGLANG:
         t_acc, t_single = prm, prm2
         acc = (px >= t_single) | (u * t_acc < px)
-        w = p.scatter(1, x, torch.where(draft, 0.0, px)[:, None])        # p without the draft
-        y = _race_or_target(w, p, e)
         # Output law: q(v) a(v) + p(v) (C - c(v)), c(v) = q(v) (1 - a(v)) / (1 - p(v)), C = sum c.
         one = torch.ones((), device=p.device)
         a_v = torch.where(p >= t_single[:, None], one, torch.minimum(one, p / t_acc[:, None]))
         c_v = torch.where(a_v < 1, q * (1 - a_v) / (1 - p), torch.zeros((), device=p.device))
         c_sum = c_v.sum(-1, keepdim=True)
-        d = 0.5 * (q * a_v + p * (c_sum - c_v) - p).abs().sum(-1)
-        return acc, y, d
+        return acc, 0.5 * (q * a_v + p * (c_sum - c_v) - p).abs().sum(-1), None
+    raise ValueError(f"rule: unknown rule id {int(rid)}")
+
+
+def emit_token(rid, p, q, e, x, draft, px):
+    """[n] the token each of n target rows sharing rule `rid` emits if its row stops there: at a
+    draft row the recovered token, a race over the rule's residual (p where it has no mass); at a
+    bonus row (`draft` False; q is 0 there) a race over p. p [n, V], q [n, V] or None (rules
+    without a residual of q), e [n, V] noise, x [n, 1] drafted tokens, px = p(x) [n]."""
+    if rid == Rule.GREEDY:
+        return p.argmax(-1)
+    if rid == Rule.TYPICAL:
+        return race(p, e)[0]
+    if rid in (Rule.MATCH, Rule.SGLANG):  # p without the draft (a rejected draft is never emitted)
+        w = p.scatter(1, x, torch.where(draft, 0.0, px)[:, None])
+        return _race_or_target(w, p, e)
+    if rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA):
+        return _race_or_target(torch.sub(p, q).clamp_(min=0.0), p, e)
     raise ValueError(f"rule: unknown rule id {int(rid)}")

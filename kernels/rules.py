@@ -6,20 +6,25 @@ distribution p; the lossy ("lenient") rules accept more drafts and pay for it in
 variation distance (TVD) between the emitted distribution and p, which `kernels.verify`
 reports exactly (see docs/kernels.md, "TVD spent").
 
-| id | name      | param         | param2           | needs q | accept reads noise |
-|----|-----------|---------------|------------------|---------|--------------------|
-| 0  | GREEDY    | -             | -                | no      | no (no noise)      |
-| 1  | REJECTION | -             | -                | yes     | no                 |
-| 2  | MATCH     | -             | -                | no      | yes                |
-| 3  | EPS_TVD   | eps in [0, 1] | -                | yes     | no                 |
-| 4  | LAMBDA    | lam in (0, 1] | -                | yes     | no                 |
-| 5  | SGLANG    | threshold_acc | threshold_single | yes     | no                 |
-| 6  | TYPICAL   | eps (0.09)    | delta (0.3)      | no (q only sharpens the TVD report) | no |
+| id | name      | param         | param2           | needs q |
+|----|-----------|---------------|------------------|---------|
+| 0  | GREEDY    | -             | -                | no      |
+| 1  | REJECTION | -             | -                | yes     |
+| 2  | MATCH     | -             | -                | no      |
+| 3  | EPS_TVD   | eps in [0, 1] | -                | yes     |
+| 4  | LAMBDA    | lam in (0, 1] | -                | yes     |
+| 5  | SGLANG    | threshold_acc | threshold_single | yes     |
+| 6  | TYPICAL   | eps (0.09)    | delta (0.3)      | no (q only sharpens the TVD report) |
 
-*Accept reads noise*: the rule's accept decision at a position uses that position's Exp(1)
-race noise (MATCH accepts while the draft equals a sample of p). Every other rule reads noise
-only to sample the token emitted where the row stops (the recovered or bonus token), so one
-noise row per request serves all its positions (`kernels.verify`'s `noise_rows`).
+MATCH accepts a draft x with probability p(x) (one coin: `u < p(x)`) and, on a rejection, emits
+a sample of p without x: the law of "accept while x equals a sample of p" (a sample is x with
+probability p(x), and a sample that is not x follows p without x), with one coin per position in
+place of a vocabulary-wide sample. It is rejection sampling against a point mass at x, so it is
+exact for any drafter, deterministic drafts (suffix copies) included.
+
+No rule's accept decision reads the race noise: the noise only samples the token emitted where
+a row stops (the recovered or bonus token), so one noise row per request serves all its
+positions (`kernels.verify`'s `noise_rows`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import enum
 class Rule(enum.IntEnum):
     GREEDY = 0      # accept while draft == argmax p; emit argmax p
     REJECTION = 1   # accept w.p. min(1, p/q); residual max(p - q, 0)
-    MATCH = 2       # accept while draft == a sample of p (exact for any drafter)
+    MATCH = 2       # accept w.p. p(x); residual p without x (exact for any drafter)
     EPS_TVD = 3     # optimal lenient rule under a per-token TVD budget eps
     LAMBDA = 4      # accept w.p. min(1, p / (lam q)); residual max(p - q, 0)
     SGLANG = 5      # accept if p(x) >= threshold_single or coin <= p(x) / threshold_acc
@@ -41,7 +46,6 @@ NUM_RULES = len(Rule)
 EXACT_RULES = frozenset({Rule.GREEDY, Rule.REJECTION, Rule.MATCH})
 LOSSY_RULES = frozenset(set(Rule) - EXACT_RULES)
 NEEDS_DRAFT_PROBS = frozenset({Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG})
-ACCEPT_READS_NOISE = frozenset({Rule.MATCH})
 
 # Default parameters (param, param2) for each rule; used by callers that only name a rule.
 DEFAULT_PARAMS: dict[Rule, tuple[float, float]] = {

@@ -133,9 +133,9 @@ def _verify_positions_kernel(
         if rule == GREEDY:
             _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
             acc = y.to(tl.int64) == x
-        elif rule == MATCH:
-            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
-            acc = y.to(tl.int64) == x
+        elif rule == MATCH:                     # a sample of p is x with probability p(x): a coin
+            acc = u < px
+            y = _residual(p_row, q_row, e_row, V, x, 3, BLOCK)
         elif rule == TYPICAL:
             _b, y, plogp = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
             thr = tl.minimum(prm, prm2 * tl.exp(plogp))       # exp(-H(p))

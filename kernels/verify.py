@@ -26,7 +26,7 @@ import os
 import torch
 
 from kernels.layout import RaggedLayout
-from kernels.rules import ACCEPT_READS_NOISE, NEEDS_DRAFT_PROBS, NUM_RULES, Rule
+from kernels.rules import NEEDS_DRAFT_PROBS, NUM_RULES, Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,34 +57,51 @@ def verify(
     layout: RaggedLayout | None = None,
     check: bool = True,
     backend: str = "auto",
+    draft_ids: torch.Tensor | None = None,  # [Vd] int64 target ids of draft_probs' columns
 ) -> VerifyOutput:
     """Verify the drafts of a ragged batch; see the module docstring and docs/contracts.md §2.
 
-    `noise_rows` lets target rows share noise rows (`kernels.noise`: one per request where the
-    rule's accept does not read noise); None: target row i reads `exp_noise[i]`. `layout`: the
-    batch's `RaggedLayout` when the caller built it (it must match `cu_num_draft`); else built here.
-    `check=True` validates values (ids, parameters, offsets, noise rows) at the cost of one host
-    sync; shapes and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
-    ADAPT_FORCE_TRITON=1, the torch reference otherwise), "triton" or "torch".
+    `noise_rows` lets target rows share noise rows (`kernels.noise`: one per request);
+    None: target row i reads `exp_noise[i]`. `layout`: the batch's `RaggedLayout` when the caller
+    built it (it must match `cu_num_draft`); else built here. `draft_ids`: `draft_probs` is then
+    [N, Vd] over the drafter's vocabulary, these target ids (q = 0 elsewhere). `check=True`
+    validates values (ids, parameters, offsets, noise rows) at the cost of one host sync; shapes
+    and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
+    ADAPT_FORCE_TRITON=1, stop-first elsewhere), "triton", "torch" (the per-position reference,
+    Triton's twin) or "stop_first" (`kernels.stop_first`: tokens sampled at stop rows only; the
+    same outputs as "torch").
     """
+    if backend == "auto":
+        backend = "triton" if use_triton(target_probs.device) else "stop_first"
+    if backend not in ("triton", "torch", "stop_first"):
+        raise ValueError(f"backend: expected 'auto', 'triton', 'torch' or 'stop_first', got {backend!r}")
+    if draft_ids is not None and draft_probs is not None:
+        _check_draft_ids(draft_probs, draft_ids, target_probs.shape[1], check)
+        if backend != "stop_first":  # the per-position backends read q over the whole vocabulary
+            draft_probs = torch.zeros(draft_probs.shape[0], target_probs.shape[1], device=draft_probs.device) \
+                .index_copy_(1, draft_ids, draft_probs)
+            draft_ids = None
     _check_shapes(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
-                  uniforms, exp_noise, max_k, noise_rows)
+                  uniforms, exp_noise, max_k, noise_rows, draft_ids)
     if check:
         _check_values(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
                       max_k)
     if layout is None:
         layout = RaggedLayout.from_cu(cu_num_draft, draft_tokens.shape[0])
     if check and noise_rows is not None:
-        _check_noise_rows(layout, rule, exp_noise, noise_rows)
+        _check_noise_rows(exp_noise, noise_rows)
     tok, draft_idx, rule_r, param_r, param2_r = _per_target_row(draft_tokens, layout, rule, param, param2)
-    if backend == "auto":
-        backend = "triton" if use_triton(target_probs.device) else "torch"
+    if backend == "stop_first":
+        from kernels.stop_first import DraftProbs, positions_stop_first
+
+        q = None if draft_probs is None else DraftProbs(draft_probs, draft_ids, target_probs.shape[1])
+        accept, token, tvd = positions_stop_first(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
+                                                  target_probs, q, exp_noise, noise_rows, layout, max_k)
+        return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
     if backend == "triton":
         from kernels.triton_verify import positions_triton as positions
-    elif backend == "torch":
-        from kernels.reference import positions_reference as positions
     else:
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+        from kernels.reference import positions_reference as positions
     accept, token, tvd = positions(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
                                    target_probs, draft_probs, exp_noise, noise_rows)
     return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
@@ -126,8 +143,18 @@ def _assemble(accept, token, tvd, draft_tokens, cu, max_k) -> VerifyOutput:
     return VerifyOutput(tokens=out, num_accepted=num_acc.to(torch.int32), tvd_spent=spent.to(torch.float32))
 
 
+def _check_draft_ids(draft_probs, draft_ids, vocab, values: bool):
+    """Shape always; ids in range when `values` (one host sync)."""
+    if not (draft_ids.dim() == 1 and draft_ids.dtype == torch.int64 and draft_ids.shape[0] == draft_probs.shape[-1]
+            and draft_ids.device == draft_probs.device):
+        raise ValueError(f"draft_ids: expected int64 [{draft_probs.shape[-1]}] (one per column of draft_probs) on "
+                         f"{draft_probs.device}, got {tuple(draft_ids.shape)} {draft_ids.dtype} on {draft_ids.device}")
+    if values and draft_ids.numel() and bool(((draft_ids < 0) | (draft_ids >= vocab)).any()):
+        raise ValueError(f"draft_ids: token ids must lie in [0, {vocab})")
+
+
 def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, uniforms,
-                  exp_noise, max_k, noise_rows=None):
+                  exp_noise, max_k, noise_rows=None, draft_ids=None):
     def need(cond, field, msg):
         if not cond:
             raise ValueError(f"{field}: {msg}")
@@ -155,9 +182,10 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
              and exp_noise.is_contiguous(), "exp_noise",
              f"expected contiguous float32 [rows, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
     if draft_probs is not None:
-        need(tuple(draft_probs.shape) == (n, vocab) and draft_probs.dtype == torch.float32
+        width = vocab if draft_ids is None else draft_ids.shape[0]
+        need(tuple(draft_probs.shape) == (n, width) and draft_probs.dtype == torch.float32
              and draft_probs.is_contiguous(), "draft_probs",
-             f"expected contiguous float32 [{n}, {vocab}], got {tuple(draft_probs.shape)} {draft_probs.dtype}")
+             f"expected contiguous float32 [{n}, {width}], got {tuple(draft_probs.shape)} {draft_probs.dtype}")
     need(tuple(uniforms.shape) == (n,) and uniforms.dtype == torch.float32, "uniforms",
          f"expected float32 [{n}], got {tuple(uniforms.shape)} {uniforms.dtype}")
     for name, tensor in (("rule", rule), ("param", param), ("param2", param2)):
@@ -211,16 +239,7 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
             raise ValueError(f"{field}: {msg}")
 
 
-def _check_noise_rows(layout: RaggedLayout, rule, exp_noise, noise_rows):
-    """Noise-row checks in one host sync (after `_check_values`: the layout's offsets are valid)."""
-    B = layout.cu.shape[0] - 1
-    reads = torch.isin(rule.to(torch.int64), torch.tensor(sorted(ACCEPT_READS_NOISE), device=rule.device))  # [B]
-    # a target row shares its noise with the one before it in the same request
-    shared = (noise_rows[1:] == noise_rows[:-1]) & (layout.row[1:] == layout.row[:-1])      # [R - 1]
-    per_request = torch.zeros(B, dtype=torch.int64, device=rule.device).index_add_(0, layout.row[1:], shared.long())
-    flags = torch.stack([((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any(),
-                         (reads & (per_request > 0)).any()]).tolist()
-    if flags[0]:
+def _check_noise_rows(exp_noise, noise_rows):
+    """Noise-row ids in range (one host sync)."""
+    if bool(((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any()):
         raise ValueError(f"noise_rows: noise row ids must lie in [0, {exp_noise.shape[0]})")
-    if flags[1]:
-        raise ValueError("noise_rows: rows whose rule's accept reads noise (MATCH) need a noise row per target row")

@@ -39,11 +39,14 @@ def rule_tensors(rules):
 
 
 def both(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=None):
+    """The three backends on one batch: Triton (interpreted) and stop-first against the reference."""
     ref = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=noise_rows, backend="torch")
     tri = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=noise_rows, backend="triton")
-    assert torch.equal(ref.tokens, tri.tokens)
-    assert torch.equal(ref.num_accepted, tri.num_accepted)
-    torch.testing.assert_close(ref.tvd_spent, tri.tvd_spent, atol=2e-6, rtol=1e-5)
+    first = verify(x, cu, p, q, rule, prm, prm2, u, e, max_k, noise_rows=noise_rows, backend="stop_first")
+    for out in (tri, first):
+        assert torch.equal(ref.tokens, out.tokens)
+        assert torch.equal(ref.num_accepted, out.num_accepted)
+        torch.testing.assert_close(ref.tvd_spent, out.tvd_spent, atol=2e-6, rtol=1e-5)
     return ref
 
 
@@ -169,9 +172,9 @@ def test_seeded_rows_do_not_depend_on_batch_companions():
 
 
 def test_per_request_noise_rows():
-    """`draw_noise` with rules: one noise row per request except MATCH rows (one per target row)
-    and GREEDY rows (ones, nothing drawn); both backends read the shared rows alike, a seeded row
-    gives the same tokens alone and batched, and `verify` refuses a MATCH row sharing noise."""
+    """`draw_noise` with rules: one noise row per request (no rule's accept reads noise; GREEDY
+    rows get ones, nothing drawn); every backend reads the shared rows alike, a seeded row gives
+    the same tokens alone and batched, and `verify` refuses noise row ids out of range."""
     vocab = 64
     ks = [5, 3, 0, 7, 2]
     x, cu, p, q, _u, _e = make_batch(ks, vocab=vocab, seed=9)
@@ -180,18 +183,43 @@ def test_per_request_noise_rows():
     gens = [torch.Generator().manual_seed(200 + r) for r in range(5)]
     gens[4] = None
     n = draw_noise(gens, ks, vocab, rules=[int(r) for r in rules])
-    assert n.exp_noise.shape == (1 + 4 + 1 + 1 + 1, vocab)
-    assert n.noise_rows.tolist() == [0] * 6 + [1, 2, 3, 4] + [5] + [6] * 8 + [7] * 3
-    assert torch.equal(n.exp_noise[7], torch.ones(vocab))
+    assert n.exp_noise.shape == (5, vocab)
+    assert n.noise_rows.tolist() == [0] * 6 + [1] * 4 + [2] + [3] * 8 + [4] * 3
+    assert torch.equal(n.exp_noise[4], torch.ones(vocab))
     full = both(x, cu, p, q, rule, prm, prm2, n.uniforms, n.exp_noise, 16, n.noise_rows)
-    alone = draw_noise([torch.Generator().manual_seed(203)], [7], vocab, rules=[int(Rule.EPS_TVD)])
-    assert alone.noise_rows is not None and alone.noise_rows.tolist() == [0] * 8
-    out = both(x[8:15], torch.tensor([0, 7], dtype=torch.int32), p[11:19].contiguous(), q[8:15].contiguous(),
-               rule[3:4], prm[3:4], prm2[3:4], alone.uniforms, alone.exp_noise, 16, alone.noise_rows)
-    assert torch.equal(out.tokens[0], full.tokens[3])
-    shared = torch.arange(5).repeat_interleave(torch.tensor(ks) + 1)
+    for r, rid in ((1, Rule.MATCH), (3, Rule.EPS_TVD)):  # each alone, from its own seed
+        alone = draw_noise([torch.Generator().manual_seed(200 + r)], [ks[r]], vocab, rules=[int(rid)])
+        assert alone.noise_rows is not None and alone.noise_rows.tolist() == [0] * (ks[r] + 1)
+        lo, first = sum(ks[:r]), sum(ks[:r]) + r
+        out = both(x[lo:lo + ks[r]], torch.tensor([0, ks[r]], dtype=torch.int32),
+                   p[first:first + ks[r] + 1].contiguous(), q[lo:lo + ks[r]].contiguous(),
+                   rule[r:r + 1], prm[r:r + 1], prm2[r:r + 1], alone.uniforms, alone.exp_noise, 16, alone.noise_rows)
+        assert torch.equal(out.tokens[0], full.tokens[r])
     with pytest.raises(ValueError, match="noise_rows"):
-        verify(x, cu, p, q, rule, prm, prm2, n.uniforms, n.exp_noise[:5].contiguous(), 16, noise_rows=shared)
+        verify(x, cu, p, q, rule, prm, prm2, n.uniforms, n.exp_noise[:4].contiguous(), 16, noise_rows=n.noise_rows)
+
+
+def test_stop_first_reads_q_over_the_draft_vocabulary():
+    """`draft_ids`: q given over a draft vocabulary (here every third target id) gives every
+    backend the outputs of the same q spread over the whole vocabulary; ids are checked."""
+    vocab = 90
+    ks = [4, 0, 6, 3]
+    x, cu, p, _q, u, e = make_batch(ks, vocab=vocab, seed=21)
+    ids = torch.arange(0, vocab, 3)                                     # [30] draft vocabulary
+    g = torch.Generator().manual_seed(5)
+    q_small = torch.softmax(3 * torch.randn(int(cu[-1]), ids.shape[0], generator=g), -1)   # [N, Vd]
+    x = ids[torch.multinomial(q_small, 1, generator=g).squeeze(1)]       # drafts drawn from q
+    q_full = torch.zeros(q_small.shape[0], vocab).index_copy_(1, ids, q_small)
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.EPS_TVD, Rule.LAMBDA])
+    ref = both(x, cu, p, q_full, rule, prm, prm2, u, e, 6)
+    for backend in ("torch", "stop_first", "triton"):
+        out = verify(x, cu, p, q_small, rule, prm, prm2, u, e, 6, backend=backend, draft_ids=ids)
+        assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_accepted, ref.num_accepted)
+        torch.testing.assert_close(out.tvd_spent, ref.tvd_spent, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="draft_ids"):
+        verify(x, cu, p, q_small, rule, prm, prm2, u, e, 6, draft_ids=ids[:-1])
+    with pytest.raises(ValueError, match="draft_ids"):
+        verify(x, cu, p, q_small, rule, prm, prm2, u, e, 6, draft_ids=ids + vocab)
 
 
 def test_q_rules_without_drafts_need_no_q():

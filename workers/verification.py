@@ -10,8 +10,8 @@ Words:
   its fields.
 
 Every sampled request draws its coins and race noise from its own generator
-(`kernels.draw_noise`), one noise row per request except where the rule's accept reads the noise
-(MATCH), so a seeded request's tokens do not depend on the rest of the batch.
+(`kernels.draw_noise`), one noise row per request, so a seeded request's tokens do not depend on
+the rest of the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from kernels import draw_noise, verify
 from kernels.reference import race
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 from kernels.verify import VerifyOutput
-from workers.drafter import expand_to_vocab
 from workers.sampling import argmax, probabilities
 from workers.step_batch import StepBatch
 
@@ -90,8 +89,9 @@ class Verifier:
                packed: torch.Tensor | None = None, q_ids: torch.Tensor | None = None) -> VerifyOutput:
         """`kernels.verify` on the ragged flat batch (contracts §2): target rows of each request's
         anchor and drafts, each request's probabilities, noise and coins from its own generator.
-        Only the n verified draft positions' q are spread over the whole vocabulary, and only when
-        a rule reads q (greedy and suffix rows never do)."""
+        q goes to `verify` over the drafter's vocabulary (`q_ids`), only when a rule reads q (greedy
+        and suffix rows never do); it spreads over the whole vocabulary only the rows it reads
+        there."""
         plan, dev = batch.plan, self.device
         B, Tq, V = (len(plan.draft_len_host), plan.max_k + 1, logits.shape[-1]) if packed is not None else logits.shape
         lay, k_host = plan.layout, plan.draft_len_host
@@ -116,10 +116,11 @@ class Verifier:
             rep = lambda t: None if t is None else t[lay.row]
         p_flat = probabilities(logits_flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))  # [n + B, V]
         noise = draw_noise([r.generator for r in batch.requests], k_host, V, dev, rules=plan.rule_host, layout=lay)
-        if q_flat is not None:  # [n, V], contiguous: the kernels read rows by pointer
-            q_flat = expand_to_vocab(q_flat, q_ids, V).contiguous()
+        if q_flat is not None:  # [n, Vd] over the draft vocabulary (`verify` spreads what it reads)
+            q_flat = q_flat.contiguous()
         return verify(draft_flat, lay.cu, p_flat, q_flat, plan.rule, plan.param, plan.param2, noise.uniforms,
-                      noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False)
+                      noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False,
+                      draft_ids=q_ids if q_flat is not None else None)
 
     @staticmethod
     def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,

@@ -1,7 +1,8 @@
 """`adapt bench kernels`: verification kernel vs torch reference, per rule.
 
 Times `kernels.verify` on one ragged-batch shape (default batch 64 x K 16 x vocab 151,936):
-- the torch reference on CPU (the engine's CPU path),
+- stop-first verification on CPU (`kernels/stop_first.py`, the engine's CPU path) and the
+  per-position torch reference (the Triton kernel's twin),
 - the Triton kernel under the interpreter on CPU (TRITON_INTERPRET=1; slow, a correctness
   tool; timed once, for the rules in --interpreter-rules),
 - where CUDA is available, the compiled Triton kernel and the reference on the GPU.
@@ -132,7 +133,12 @@ def run(args) -> int:
         rec.update(reference_cpu_ms=ms, reference_cpu_all_ms=all_ms,
                    mean_accepted=float(ref.num_accepted.float().mean()),
                    mean_tvd_spent=float(ref.tvd_spent.mean()))
-        print(f"  {rule.name:9s} reference cpu {ms:10.1f} ms", flush=True)
+        ms_f, all_f, first = _time(call(data, rule, "stop_first", cpu), args.repeats, lambda: None)
+        rec.update(stop_first_cpu_ms=ms_f, stop_first_cpu_all_ms=all_f,
+                   stop_first_equal=bool(torch.equal(first.tokens, ref.tokens)
+                                         and torch.equal(first.num_accepted, ref.num_accepted)))
+        print(f"  {rule.name:9s} reference cpu {ms:10.1f} ms, stop-first cpu {ms_f:10.1f} ms "
+              f"equal={rec['stop_first_equal']}", flush=True)
         if rule in interp:
             rows = min(args.interpreter_batch, batch)
             sub = _first_rows(data, rows)
@@ -183,7 +189,7 @@ def _plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [("reference_cpu_ms", "torch reference (CPU)"),
+    series = [("stop_first_cpu_ms", "stop-first (CPU)"), ("reference_cpu_ms", "torch reference (CPU)"),
               ("interpreter_cpu_ms_extrapolated", "Triton interpreter (CPU, extrapolated)"),
               ("reference_cuda_ms", "torch reference (CUDA)"), ("triton_cuda_ms", "Triton (CUDA)")]
     series = [(key, label) for key, label in series if any(key in r for r in report["results"])]

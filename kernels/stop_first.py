@@ -1,0 +1,126 @@
+"""Stop-first verification: the CPU backend of `kernels.verify`.
+
+A row of the ragged batch emits its accepted drafts and then one token, sampled at its *stop
+row*: the target row of its first rejected draft, or its bonus row when every draft is accepted.
+The per-position backends (`kernels.reference`, `kernels.triton_verify`) sample the token of
+every target row, one race over the vocabulary each, and keep one per request. Here the accept
+decisions come first, from what each rule's accept reads (GREEDY: argmax p; REJECTION and MATCH:
+p(x), q(x) and a coin; the lenient rules: their vocabulary sums), and the token is sampled at
+the stop rows only: one race per request instead of one per target row, and q spread over the
+whole vocabulary only at the rows that read it (lenient rules, and stop rows whose residual is
+p - q).
+
+The arithmetic of every row is the reference's (`kernels.reference.decide_accept` and
+`emit_token`, same tensors, same noise rows), so tokens, accept counts and TVD are the
+reference's (tests/test_kernels_equal.py). On CPU, where the vocabulary sweeps are the cost,
+this is the default; on CUDA the Triton kernel sweeps every row in parallel.
+
+Draft distributions may come over the drafter's own vocabulary: `draft_probs` [N, Vd] with
+`draft_ids` [Vd] (the target ids of its columns), q = 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.layout import RaggedLayout
+from kernels.reference import READS_Q_ROWS, decide_accept, emit_token
+from kernels.rules import NEEDS_DRAFT_PROBS, Rule
+
+
+class DraftProbs:
+    """Rows of q over the target vocabulary, read from `probs` [N, Vd] over draft ids `ids` [Vd]
+    (None: Vd = V) without spreading all of them: `at(idx, x)` is q(x) [n], `rows(idx)` [n, V]."""
+
+    def __init__(self, probs: torch.Tensor, ids: torch.Tensor | None, vocab: int):
+        self.probs, self.ids, self.vocab = probs, ids, vocab
+        self.column = None
+        if ids is not None:  # [V] column of each target id in probs, -1 outside the draft vocabulary
+            self.column = torch.full((vocab,), -1, dtype=torch.int64, device=probs.device)
+            self.column[ids] = torch.arange(ids.shape[0], device=probs.device)
+
+    def at(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q(x) [n] of draft rows idx [n] at tokens x [n]."""
+        if self.column is None:
+            return self.probs[idx, x]
+        col = self.column[x]
+        return torch.where(col >= 0, self.probs[idx, col.clamp_min(0)], 0.0)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """q [n, V] of draft rows idx [n]."""
+        if self.ids is None:
+            return self.probs.index_select(0, idx)
+        out = torch.zeros(idx.shape[0], self.vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return out.index_copy_(1, self.ids, self.probs.index_select(0, idx))
+
+
+def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
+                         exp_noise, noise_rows, layout: RaggedLayout, max_k: int):
+    """(accept [R] bool, token [R] int64, tvd [R] f32) as `positions_reference`, except that
+    `token` is set only at each request's stop row (0 elsewhere): all that `_assemble` reads.
+    `draft_probs`: a `DraftProbs`, or None when no row has drafts under a rule that reads q.
+    Reads no tensor value into Python (on a GPU, the index selections would sync as the
+    reference's do)."""
+    R = target_probs.shape[0]
+    dev = target_probs.device
+    accept = torch.zeros(R, dtype=torch.bool, device=dev)
+    token = torch.zeros(R, dtype=torch.int64, device=dev)
+    tvd = torch.zeros(R, dtype=torch.float32, device=dev)
+    is_draft = draft_idx >= 0                                            # [R]
+    u_all = torch.zeros(R, dtype=torch.float32, device=dev)
+    u_all[is_draft] = uniforms
+    x_all = tok.clamp_min(0)                                             # [R] (0 at bonus rows)
+    px_all = target_probs.gather(1, x_all[:, None]).squeeze(1)           # [R] p(x)
+
+    def q_at(rows, draft):                                               # [n] q(x), 0 at bonus rows
+        if draft_probs is None:
+            return torch.zeros(rows.shape[0], device=dev)
+        qx = draft_probs.at(draft_idx[rows].clamp_min(0), x_all[rows])
+        return torch.where(draft, qx, 0.0)
+
+    def q_rows(rows, draft):                                             # [n, V], 0 at bonus rows
+        q = torch.zeros(rows.shape[0], target_probs.shape[1], device=dev)
+        if draft_probs is not None:
+            q[draft] = draft_probs.rows(draft_idx[rows][draft])
+        return q
+
+    for rid in Rule:                                                     # 1. accept and TVD, every row
+        rows = (rule == rid).nonzero().squeeze(-1)                       # [n] target rows
+        if rows.numel() == 0:
+            continue
+        draft = is_draft[rows]
+        p = target_probs if rows.numel() == R else target_probs.index_select(0, rows)  # [n, V]
+        wide = rid in READS_Q_ROWS and (rid != Rule.TYPICAL or draft_probs is not None)
+        q = q_rows(rows, draft) if wide else None
+        qx = q_at(rows, draft) if rid in NEEDS_DRAFT_PROBS else None
+        a, d, y = decide_accept(rid, p, q, x_all[rows, None], px_all[rows], qx, u_all[rows],
+                                param[rows], param2[rows])
+        accept[rows] = a & draft
+        if d is not None:
+            tvd[rows] = torch.where(draft, d, 0.0).to(torch.float32)
+        if y is not None:                                                # GREEDY: argmax p, every row
+            token[rows] = y
+
+    B = layout.cu.shape[0] - 1                                           # 2. stop rows, one per request
+    if B == 0:
+        return accept, token, tvd
+    cu = layout.cu.to(torch.int64)
+    first = cu[:-1] + torch.arange(B, device=dev)                        # [B] first target row
+    k = cu[1:] - cu[:-1]                                                 # [B]
+    j = torch.arange(max_k, device=dev)
+    trow = (first[:, None] + j).clamp_max(R - 1)                         # [B, K]
+    acc = accept[trow] & (j[None] < k[:, None])                          # [B, K]
+    stop = first + (acc.to(torch.int32).cumprod(1).sum(1) if max_k else 0)  # [B] stop row
+    stop_rule = rule[stop]
+    for rid in Rule:                                                     # 3. the token at the stop rows
+        if rid == Rule.GREEDY:
+            continue
+        rows = stop[stop_rule == rid]                                    # [m]
+        if rows.numel() == 0:
+            continue
+        draft = is_draft[rows]
+        p = target_probs.index_select(0, rows)                           # [m, V]
+        e = exp_noise.index_select(0, rows if noise_rows is None else noise_rows[rows])
+        q = q_rows(rows, draft) if rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA) else None
+        token[rows] = emit_token(rid, p, q, e, x_all[rows, None], draft, px_all[rows])
+    return accept, token, tvd
