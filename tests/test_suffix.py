@@ -667,3 +667,41 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_per_request():
         else:
             assert torch.allclose(ratio, torch.full((B,), policy.suffix_accept_ratio))
             assert len(set(steps.tolist())) == 1
+
+
+def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
+    """Two rows 10 tokens in at 14 ms a token (plain steps), 50 to go: one behind a 12 ms target
+    can still meet it (it needs 11.6 ms a token: a 14 ms step bringing it 1.5 tokens), one
+    behind a 4 ms target cannot (2 ms a token). With `sla_reach` (default) the second row's
+    lateness no longer raises its weight (1, against 5 without); the first row's weight is the
+    same either way. A row without a target is within reach."""
+    import dataclasses
+
+    import torch
+
+    from adapt.targets import RequestTargets
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+
+    rows = dataclasses.replace(_tight_and_copy_rows(12.0, generated=10), has_drafter=True,
+                               targets=[RequestTargets(tpot_ms=12.0), RequestTargets(tpot_ms=4.0)])
+    cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
+    assert AdaptivePolicy().sla_reach
+    weights = {}
+    for reach in (False, True):
+        policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_clock="decode", sla_reach=reach)
+        _observe_plain(policy, rows, 10, 0.014)
+        ctx = policy._ctx(rows, torch.device("cpu"))
+        torch.testing.assert_close(ctx["lateness"], torch.tensor([14 / 12, 14 / 4]))
+        assert policy._reachable(rows, ctx, torch.tensor([0.5, 0.5]), 2).tolist() == [True, False]
+        assert policy._reachable(rows, ctx, torch.tensor([0.1, 6.0]), 2).tolist() == [False, True]
+        policy.choose_steps(rows)  # the plan sets the rows' reach (with `sla_reach`) and weights
+        weights[reach] = policy.weights(policy._ctx(rows, torch.device("cpu")))
+    torch.testing.assert_close(weights[False], torch.tensor([1 + 2 * (14 / 12 - 0.9), 5.0]))
+    torch.testing.assert_close(weights[True][0], weights[False][0])
+    assert float(weights[True][1]) == 1.0
+    free = dataclasses.replace(rows, targets=[None, RequestTargets(tpot_ms=4.0)])
+    policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_clock="decode")
+    _observe_plain(policy, free, 10, 0.014)
+    ctx = policy._ctx(free, torch.device("cpu"))
+    assert policy._reachable(free, ctx, torch.tensor([0.0, 0.0]), 2).tolist() == [True, False]
