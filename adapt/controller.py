@@ -100,6 +100,7 @@ class AdaptiveSettings(_Settings):
     sla_guard_behind_rows: int = Field(default=None, ge=1)
     sla_guard_plan: bool = Field(default=None)
     sla_reach: bool = Field(default=None)
+    overhead_scales: bool = Field(default=None)
 
 
 class ExploreSettings(_Settings):

@@ -109,7 +109,7 @@ class AdaptivePolicy(Policy):
                  suffix_first: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
                  sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
-                 sla_reach: bool = True,
+                 sla_reach: bool = True, overhead_scales: bool = True,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
                  span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
@@ -139,6 +139,9 @@ class AdaptivePolicy(Policy):
         # (`_reachable`); ``_reach``: (request ids, [B] bool) of the latest plan
         self.sla_reach = bool(sla_reach)
         self._reach = None
+        # a batch size whose drafting steps were never seen borrows a smaller bucket's extra cost
+        # scaled by the ratio of rows (`draft_overhead_at`)
+        self.overhead_scales = bool(overhead_scales)
         self.sla_clock = sla_clock
         if not isinstance(hold_max, int) or hold_max < 0:
             raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
@@ -633,8 +636,10 @@ class AdaptivePolicy(Policy):
         verifies none, beyond what the cost model predicts for both (decisions, features, rule
         resolution, attention over the drafted positions, the acceptance path): the difference
         of the two kinds' residual EMAs in the batch's size bucket (`batch_bucket`), else in the
-        nearest bucket that saw both kinds; 0 until some bucket did (so a source not tried yet
-        is tried). Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
+        nearest bucket that saw both kinds, times the ratio of the two buckets where that one is
+        smaller (`overhead_scales`: the cost grows with the rows; measured, stop 49: the first
+        drafting steps of 31 rows, priced from 4-row steps, took 1.3–1.5x their prediction,
+        207 ms for 136 predicted); 0 until some bucket did (so a source not tried yet is tried). Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
         `scripts/step_costs.py`) one row verifying 2 drafts added ~1 ms to a 1-row step and
         ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
         see. With ``overhead_by_source`` (off by default) per source, since the tables miss
@@ -648,9 +653,10 @@ class AdaptivePolicy(Policy):
         both = [b for (kind, b) in res if kind == source and ("plain", b) in res]
         if not both:
             return 0.0
-        want = batch_bucket(batch).bit_length()
-        b = min(both, key=lambda x: (abs(x.bit_length() - want), x))
-        return max(0.0, res[(source, b)] - res[("plain", b)])
+        bucket = batch_bucket(batch)
+        b = min(both, key=lambda x: (abs(x.bit_length() - bucket.bit_length()), x))
+        scale = bucket / b if self.overhead_scales and b < bucket else 1.0
+        return scale * max(0.0, res[(source, b)] - res[("plain", b)])
 
     @property
     def draft_overhead_ms(self) -> float:

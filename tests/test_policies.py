@@ -401,7 +401,8 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
     """The drafting path's fixed cost grows with the batch (attention over drafted positions, the
     acceptance path): drafting steps of 8 rows took 60 ms more than the cost model said, of 2
     rows 1 ms more. The policy keeps one estimate per batch-size bucket, so the dear one does
-    not stop a 2-row batch from drafting; a size it never saw borrows the nearest bucket."""
+    not stop a 2-row batch from drafting; a size it never saw borrows the nearest bucket, scaled
+    up by the ratio of rows where that bucket is smaller (`overhead_scales`), never down."""
     import dataclasses
 
     from policies.adaptive import batch_bucket
@@ -421,8 +422,11 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
     assert 45.0 < p.draft_overhead_at(8) <= 60.0 + 1e-6
     assert 0.5 < p.draft_overhead_at(2) <= 1.0 + 1e-6
     assert p.draft_overhead_at(6) == p.draft_overhead_at(8)        # the same bucket
-    assert p.draft_overhead_at(32) == p.draft_overhead_at(8)       # nearest bucket seen
-    assert p.draft_overhead_at(1) == p.draft_overhead_at(2)
+    assert p.draft_overhead_at(32) == 4 * p.draft_overhead_at(8)   # nearest bucket seen, 4x the rows
+    assert p.draft_overhead_at(4) == 2 * p.draft_overhead_at(2)    # (2 and 8 equally near: the smaller)
+    assert p.draft_overhead_at(1) == p.draft_overhead_at(2)        # a larger bucket: not scaled down
+    p.overhead_scales = False
+    assert p.draft_overhead_at(32) == p.draft_overhead_at(8)
     two = dataclasses.replace(make_rows(2, 8), recent_accept=torch.full((2,), 0.97))
     p._plan = None
     assert p.choose_steps(two).gt(0).all()
