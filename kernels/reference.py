@@ -69,13 +69,7 @@ def positions_reference(
     race returns the bonus sample, and its accept flag and TVD are masked out.
     """
     num_rows = target_probs.shape[0]
-    device = target_probs.device
-    accept = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    token = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    tvd = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    is_draft = draft_idx >= 0                                            # [R]
-    u_all = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    u_all[is_draft] = uniforms
+    accept, token, tvd, is_draft, u_all = per_row_outputs(draft_idx, uniforms, target_probs)
 
     for rid in Rule:
         in_group = rule == rid
@@ -113,6 +107,17 @@ def positions_reference(
             if d is not None:
                 tvd[rows] = torch.where(draft, d, 0.0).to(torch.float32)
     return accept, token, tvd
+
+
+def per_row_outputs(draft_idx, uniforms, target_probs):
+    """Zeroed outputs per target row (accept [R] bool, token [R] int64, tvd [R] f32), which rows
+    are draft rows (is_draft [R]) and each draft row's coin (u [R], 0 at bonus rows)."""
+    R, device = target_probs.shape[0], target_probs.device
+    is_draft = draft_idx >= 0
+    u = torch.zeros(R, dtype=torch.float32, device=device)
+    u[is_draft] = uniforms
+    return (torch.zeros(R, dtype=torch.bool, device=device), torch.zeros(R, dtype=torch.int64, device=device),
+            torch.zeros(R, dtype=torch.float32, device=device), is_draft, u)
 
 
 def _decide(rid, p, q, e, x, draft, u, prm, prm2):

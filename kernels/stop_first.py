@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels.layout import RaggedLayout
-from kernels.reference import READS_Q_ROWS, decide_accept, emit_token
+from kernels.reference import READS_Q_ROWS, decide_accept, emit_token, per_row_outputs
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 
 
@@ -63,12 +63,7 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
     reference's do)."""
     R = target_probs.shape[0]
     dev = target_probs.device
-    accept = torch.zeros(R, dtype=torch.bool, device=dev)
-    token = torch.zeros(R, dtype=torch.int64, device=dev)
-    tvd = torch.zeros(R, dtype=torch.float32, device=dev)
-    is_draft = draft_idx >= 0                                            # [R]
-    u_all = torch.zeros(R, dtype=torch.float32, device=dev)
-    u_all[is_draft] = uniforms
+    accept, token, tvd, is_draft, u_all = per_row_outputs(draft_idx, uniforms, target_probs)
     x_all = tok.clamp_min(0)                                             # [R] (0 at bonus rows)
     px_all = target_probs.gather(1, x_all[:, None]).squeeze(1)           # [R] p(x)
 
