@@ -139,8 +139,8 @@ READS_Q_ROWS = frozenset({Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG, Rule.TYPICAL})
 def decide_accept(rid, p, q, x, px, qx, u, prm, prm2):
     """(accept [n] bool, tvd [n] or None, token [n] or None) of n target rows sharing rule `rid`,
     from p [n, V], the drafted tokens x [n, 1], px = p(x) and qx = q(x) [n] (None where the rule
-    reads no q), q [n, V] (needed
-    only by `READS_Q_ROWS`; None for TYPICAL means no q) and the coins u [n]. The token is given
+    reads no q), q [n, V] (needed only by `READS_Q_ROWS`; None for TYPICAL means no q) and the
+    coins u [n]. The token is given
     only where the accept decision computes it anyway (GREEDY: argmax p); otherwise
     `emit_token` gives it. No rule's accept reads the race noise."""
     if rid == Rule.GREEDY:

@@ -28,6 +28,14 @@ from kernels.reference import READS_Q_ROWS, decide_accept, emit_token, per_row_o
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 
 
+def spread(probs: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """q [n, V] from `probs` [n, Vd] over target ids `ids` [Vd] (0 elsewhere); `probs` itself
+    when `ids` is None."""
+    if ids is None:
+        return probs
+    return torch.zeros(probs.shape[0], vocab, dtype=probs.dtype, device=probs.device).index_copy_(1, ids, probs)
+
+
 class DraftProbs:
     """Rows of q over the target vocabulary, read from `probs` [N, Vd] over draft ids `ids` [Vd]
     (None: Vd = V) without spreading all of them: `at(idx, x)` is q(x) [n], `rows(idx)` [n, V]."""
@@ -48,10 +56,7 @@ class DraftProbs:
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """q [n, V] of draft rows idx [n]."""
-        if self.ids is None:
-            return self.probs.index_select(0, idx)
-        out = torch.zeros(idx.shape[0], self.vocab, dtype=self.probs.dtype, device=self.probs.device)
-        return out.index_copy_(1, self.ids, self.probs.index_select(0, idx))
+        return spread(self.probs.index_select(0, idx), self.ids, self.vocab)
 
 
 def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
@@ -74,10 +79,9 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
         return torch.where(draft, qx, 0.0)
 
     def q_rows(rows, draft):                                             # [n, V], 0 at bonus rows
-        q = torch.zeros(rows.shape[0], target_probs.shape[1], device=dev)
-        if draft_probs is not None:
-            q[draft] = draft_probs.rows(draft_idx[rows][draft])
-        return q
+        if draft_probs is None:
+            return torch.zeros(rows.shape[0], target_probs.shape[1], device=dev)
+        return torch.where(draft[:, None], draft_probs.rows(draft_idx[rows].clamp_min(0)), 0.0)
 
     for rid in Rule:                                                     # 1. accept and TVD, every row
         rows = (rule == rid).nonzero().squeeze(-1)                       # [n] target rows

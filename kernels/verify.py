@@ -78,9 +78,9 @@ def verify(
     if draft_ids is not None and draft_probs is not None:
         _check_draft_ids(draft_probs, draft_ids, target_probs.shape[1], check)
         if backend != "stop_first":  # the per-position backends read q over the whole vocabulary
-            draft_probs = torch.zeros(draft_probs.shape[0], target_probs.shape[1], device=draft_probs.device) \
-                .index_copy_(1, draft_ids, draft_probs)
-            draft_ids = None
+            from kernels.stop_first import spread
+
+            draft_probs, draft_ids = spread(draft_probs, draft_ids, target_probs.shape[1]), None
     _check_shapes(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
                   uniforms, exp_noise, max_k, noise_rows, draft_ids)
     if check:

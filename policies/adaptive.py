@@ -289,10 +289,8 @@ class AdaptivePolicy(Policy):
         most left) end together, so none of them alone shortens the batch: their extra tokens
         weigh ``B·δ / T_B`` like the others'."""
         B = len(rows.request_ids)
-        # a plain step of B rows as measured (the tables are indexed by positions and miss what
-        # grows with rows and context: attention), of one row as the table and its residual say
-        T_B = self.plain_ms if self.plain_ms is not None and self._batch == B else self.cost.step_ms_at(float(B))
-        T_B = max(float(T_B), 1e-3)
+        # a plain step of B rows as measured, of one row as the table and its residual say
+        T_B = max(self._plain_step_ms(B), 1e-3)
         T_1 = float(self.cost.step_ms_at(1.0)) + self.step_residual.get(("plain", 1), 0.0)
         delta = min(max((T_B - T_1) / (B - 1), 0.0), T_B / B)
         T0 = T_B - B * delta
@@ -639,7 +637,8 @@ class AdaptivePolicy(Policy):
         nearest bucket that saw both kinds, times the ratio of the two buckets where that one is
         smaller (`overhead_scales`: the cost grows with the rows; measured, stop 49: the first
         drafting steps of 31 rows, priced from 4-row steps, took 1.3–1.5x their prediction,
-        207 ms for 136 predicted); 0 until some bucket did (so a source not tried yet is tried). Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
+        207 ms for 136 predicted); 0 until some bucket did (so a source not tried yet is tried).
+        Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
         `scripts/step_costs.py`) one row verifying 2 drafts added ~1 ms to a 1-row step and
         ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
         see. With ``overhead_by_source`` (off by default) per source, since the tables miss
@@ -819,6 +818,12 @@ class AdaptivePolicy(Policy):
         tokens = torch.where(rank[:, None] < n[None, :], then[:, None], now[:, None])   # [B, C]
         return keeps_targets(ctx, ms.cpu(), tokens, rows.remaining, self.sla_slack, self._behind_veto(B))
 
+    def _plain_step_ms(self, B: int) -> float:
+        """A plain step of ``B`` rows: as measured (`plain_ms`, while the latest step had ``B``
+        rows; the tables are indexed by positions and miss what grows with rows and context:
+        attention), else the cost table's."""
+        return float(self.plain_ms if self.plain_ms is not None and self._batch == B else self.cost.step_ms_at(float(B)))
+
     def _reachable(self, rows, ctx, best_extra: torch.Tensor, B: int) -> torch.Tensor:
         """[B] whether each row can still meet its TPOT target: the pace its remaining tokens need,
         ``(T · (n + R) − elapsed) / R`` ms per token (``R`` = ``rows.remaining``), is no faster
@@ -833,8 +838,7 @@ class AdaptivePolicy(Policy):
         left = rows.remaining.cpu().float().clamp_min(1.0)                              # [B]
         n, elapsed = ctx["tokens"].cpu().float(), ctx["elapsed_ms"].cpu().float()       # [B]
         need = (T * (n + left) - elapsed) / left                                        # [B] ms per token
-        T_B = self.plain_ms if self.plain_ms is not None and self._batch == B else self.cost.step_ms_at(float(B))
-        return ~torch.isfinite(T) | (need * (1.0 + best_extra.float()) >= float(T_B))
+        return ~torch.isfinite(T) | (need * (1.0 + best_extra.float()) >= self._plain_step_ms(B))
 
     def _behind_veto(self, B: int) -> bool:
         """Whether rows behind their target veto what slows them in a step of ``B`` rows
