@@ -3,15 +3,15 @@
 A row of the ragged batch emits its accepted drafts and then one token, sampled at its *stop
 row*: the target row of its first rejected draft, or its bonus row when every draft is accepted.
 The per-position backends (`kernels.reference`, `kernels.triton_verify`) sample the token of
-every target row, one race over the vocabulary each, and keep one per request. Here the accept
+every target row, one draw over the vocabulary each, and keep one per request. Here the accept
 decisions come first, from what each rule's accept reads (GREEDY: argmax p; REJECTION and MATCH:
 p(x), q(x) and a coin; the lenient rules: their vocabulary sums), and the token is sampled at
-the stop rows only: one race per request instead of one per target row, and q spread over the
+the stop rows only: one draw per request instead of one per target row, and q spread over the
 whole vocabulary only at the rows that read it (lenient rules, and stop rows whose residual is
 p - q).
 
 The arithmetic of every row is the reference's (`kernels.reference.decide_accept` and
-`emit_token`, same tensors, same noise rows), so tokens, accept counts and TVD are the
+`emit_token`, same tensors, same uniforms), so tokens, accept counts and TVD are the
 reference's (tests/test_kernels_equal.py). On CPU, where the vocabulary sweeps are the cost,
 this is the default; on CUDA the Triton kernel sweeps every row in parallel.
 
@@ -60,7 +60,7 @@ class DraftProbs:
 
 
 def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
-                         exp_noise, noise_rows, layout: RaggedLayout, max_k: int):
+                         sample_u, noise_rows, layout: RaggedLayout, max_k: int):
     """(accept [R] bool, token [R] int64, tvd [R] f32) as `positions_reference`, except that
     `token` is set only at each request's stop row (0 elsewhere): all that `_assemble` reads.
     `draft_probs`: a `DraftProbs`, or None when no row has drafts under a rule that reads q.
@@ -119,7 +119,7 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
             continue
         draft = is_draft[rows]
         p = target_probs.index_select(0, rows)                           # [m, V]
-        e = exp_noise.index_select(0, rows if noise_rows is None else noise_rows[rows])
+        us = sample_u[rows if noise_rows is None else noise_rows[rows]]  # [m]
         q = q_rows(rows, draft) if rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA) else None
-        token[rows] = emit_token(rid, p, q, e, x_all[rows, None], draft, px_all[rows])
+        token[rows] = emit_token(rid, p, q, us, x_all[rows, None], draft, px_all[rows])
     return accept, token, tvd

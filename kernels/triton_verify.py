@@ -1,11 +1,14 @@
 """Triton kernel for the per-position part of verification (mirror of `kernels.reference`).
 
 One program per target row (a draft position or a bonus position); it streams its row of p
-(and q, noise) over the vocabulary in blocks of BLOCK, computing the same decisions, race
-samples and TVD as `positions_reference`. Elementwise arithmetic follows the reference's
-float32 order (IEEE division via `div_rn`, no FMA contraction on CUDA), so tokens and
-accept flags agree exactly; vocabulary sums (TV, entropy, ...) may differ in the last bits
-because the summation order differs.
+(and q) over the vocabulary in blocks of BLOCK, computing the same decisions, draws and TVD as
+`positions_reference`. Elementwise arithmetic follows the reference's float32 order (IEEE
+division via `div_rn`, no FMA contraction on CUDA), so accept flags agree exactly; vocabulary
+sums (TV, entropy, ...) may differ in the last bits because the summation order differs, and so
+may a draw's float64 cumulative sums (scanned here in blocks): tokens then differ only where
+the draw's point falls within float64 rounding of a cumulative sum (see `kernels.reference`).
+A draw takes two sweeps: the weights' total mass, then the scan to the first entry whose
+cumulative weight exceeds u · total.
 """
 
 from __future__ import annotations
@@ -25,44 +28,51 @@ LAMBDA = tl.constexpr(int(Rule.LAMBDA))
 SGLANG = tl.constexpr(int(Rule.SGLANG))
 TYPICAL = tl.constexpr(int(Rule.TYPICAL))
 
-# Race weights (MODE) and the auxiliary vocabulary sum (AUX) computed in the same pass.
-W_ARGMAX_P, W_P, W_RESIDUAL, W_P_NOT_X = 0, 1, 2, 3
+# Draw weights (MODE) and the auxiliary vocabulary sum (AUX) computed in the same pass.
+W_P, W_RESIDUAL, W_P_NOT_X = 1, 2, 3
 AUX_NONE, AUX_TV, AUX_LAMBDA, AUX_PLOGP, AUX_SGLANG_C = 0, 1, 2, 3, 4
 
 
 @triton.jit
-def _pass(p_row, q_row, e_row, V, x, s1, s2,
-          MODE: tl.constexpr, AUX: tl.constexpr, BLOCK: tl.constexpr):
-    """One sweep over the vocabulary: race (or argmax) over weights MODE, plus sum AUX.
+def _weights(p, q_row, offs, m, x, MODE: tl.constexpr):
+    """A block of draw weights: p (MODE 1), (p - q)+ (2) or p without x (3)."""
+    if MODE == 1:
+        w = p
+    elif MODE == 2:
+        q = tl.load(q_row + offs, mask=m, other=0.0)
+        w = tl.maximum(p - q, 0.0)
+    else:
+        w = tl.where(offs == x, 0.0, p)
+    return w
 
-    Returns (best score, best index, aux sum). Scores of zero-weight entries are 0 and of
-    padding lanes -1, so the first maximum over valid entries wins (lowest index on ties).
-    """
+
+@triton.jit
+def _argmax(p_row, V, BLOCK: tl.constexpr):
+    """The first index of the maximum of p."""
     best = tl.full((), -1.0, tl.float32)
     best_i = tl.full((), 0, tl.int32)
-    aux = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < V
-        p = tl.load(p_row + offs, mask=m, other=0.0)
-        if MODE == 0:
-            s = p
-        else:
-            e = tl.load(e_row + offs, mask=m, other=1.0)
-            if MODE == 1:
-                w = p
-            elif MODE == 2:
-                q = tl.load(q_row + offs, mask=m, other=0.0)
-                w = tl.maximum(p - q, 0.0)
-            else:
-                w = tl.where(offs == x, 0.0, p)
-            s = tl.where(w > 0, tl.math.div_rn(w, e), 0.0)
-        s = tl.where(m, s, -1.0)
+        s = tl.where(m, tl.load(p_row + offs, mask=m, other=0.0), -1.0)
         block_best = tl.max(s, 0)
         block_i = tl.argmax(s, 0, tie_break_left=True)
         better = block_best > best
         best_i = tl.where(better, start + block_i, best_i)
         best = tl.where(better, block_best, best)
+    return best_i
+
+
+@triton.jit
+def _mass(p_row, q_row, V, x, s1, s2, MODE: tl.constexpr, AUX: tl.constexpr, BLOCK: tl.constexpr):
+    """One sweep over the vocabulary: the draw weights' total (float64) and the sum AUX."""
+    total = tl.zeros((BLOCK,), tl.float64)
+    aux = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < V
+        p = tl.load(p_row + offs, mask=m, other=0.0)
+        total += _weights(p, q_row, offs, m, x, MODE).to(tl.float64)
         if AUX == 1:        # TV(p, q) = sum (p - q)+
             q = tl.load(q_row + offs, mask=m, other=0.0)
             aux += tl.maximum(p - q, 0.0)
@@ -76,15 +86,37 @@ def _pass(p_row, q_row, e_row, V, x, s1, s2,
             q = tl.load(q_row + offs, mask=m, other=0.0)
             a = tl.where(p >= s2, 1.0, tl.minimum(1.0, tl.math.div_rn(p, s1)))
             aux += tl.where(a < 1, tl.math.div_rn(q * (1 - a), tl.where(a < 1, 1 - p, 1.0)), 0.0)
-    return best, best_i, tl.sum(aux, 0)
+    return tl.sum(total, 0), tl.sum(aux, 0)
 
 
 @triton.jit
-def _residual(p_row, q_row, e_row, V, x, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Race over a residual (MODE 2 or 3); a sample of p where the residual has no mass."""
-    best, y, _unused = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, MODE, 0, BLOCK)
-    if best <= 0:
-        _b, y, _u = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+def _search(p_row, q_row, V, x, point, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """The first index whose cumulative weight (float64) exceeds `point`, among entries of
+    positive weight (V - 1 if none: only where the weights have no mass)."""
+    carry = tl.zeros((), tl.float64)
+    found = tl.full((), V, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < V
+        p = tl.load(p_row + offs, mask=m, other=0.0)
+        w = _weights(p, q_row, offs, m, x, MODE)
+        w64 = w.to(tl.float64)
+        c = carry + tl.cumsum(w64, 0)
+        hit = m & (w > 0) & (c > point)
+        found = tl.minimum(found, tl.min(tl.where(hit, offs, V), 0))
+        carry += tl.sum(w64, 0)
+    return tl.minimum(found, V - 1)
+
+
+@triton.jit
+def _draw(p_row, q_row, V, x, us, total, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Inverse-CDF draw at uniform `us` from weights MODE of total mass `total` (from `_mass`);
+    a draw from p where those weights have no mass."""
+    if total > 0:
+        y = _search(p_row, q_row, V, x, us.to(tl.float64) * total, MODE, BLOCK)
+    else:
+        p_total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+        y = _search(p_row, q_row, V, x, us.to(tl.float64) * p_total, 1, BLOCK)
     return y
 
 
@@ -98,7 +130,7 @@ def _verify_positions_kernel(
     u_ptr,          # [N] f32
     p_ptr,          # [R, V] f32
     q_ptr,          # [N, V] f32 (p_ptr when HAS_Q is False; never read then)
-    e_ptr,          # [M, V] f32 noise rows
+    s_ptr,          # [M] f32 draw uniforms (noise rows)
     noise_row_ptr,  # [R] int64 noise row of each target row
     accept_ptr,     # [R] int8 out
     token_ptr,      # [R] int64 out
@@ -111,16 +143,17 @@ def _verify_positions_kernel(
     t = tl.load(draft_idx_ptr + i)
     rule = tl.load(rule_ptr + i)
     p_row = p_ptr + i * V
-    e_row = e_ptr + tl.load(noise_row_ptr + i) * V
+    us = tl.load(s_ptr + tl.load(noise_row_ptr + i))
     q_row = q_ptr + tl.maximum(t, 0) * V
     x = tl.load(tok_ptr + i)
     prm = tl.load(param_ptr + i)
     prm2 = tl.load(param2_ptr + i)
     if t < 0:                                   # bonus position
         if rule == GREEDY:
-            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
+            y = _argmax(p_row, V, BLOCK)
         else:
-            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+            total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+            y = _draw(p_row, q_row, V, x, us, total, 1, BLOCK)
         tl.store(token_ptr + i, y.to(tl.int64))
         tl.store(accept_ptr + i, tl.zeros((), tl.int8))
         tl.store(tvd_ptr + i, 0.0)
@@ -131,13 +164,15 @@ def _verify_positions_kernel(
         acc = px != px
         d = tl.zeros((), tl.float32)
         if rule == GREEDY:
-            _b, y, _a = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 0, 0, BLOCK)
+            y = _argmax(p_row, V, BLOCK)
             acc = y.to(tl.int64) == x
         elif rule == MATCH:                     # a sample of p is x with probability p(x): a coin
             acc = u < px
-            y = _residual(p_row, q_row, e_row, V, x, 3, BLOCK)
+            total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 3, 0, BLOCK)
+            y = _draw(p_row, q_row, V, x, us, total, 3, BLOCK)
         elif rule == TYPICAL:
-            _b, y, plogp = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
+            total, plogp = _mass(p_row, q_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
+            y = _draw(p_row, q_row, V, x, us, total, 1, BLOCK)
             thr = tl.minimum(prm, prm2 * tl.exp(plogp))       # exp(-H(p))
             acc = px > thr
             if HAS_Q:
@@ -148,14 +183,14 @@ def _verify_positions_kernel(
                     p = tl.load(p_row + offs, mask=m, other=0.0)
                     q = tl.load(q_row + offs, mask=m, other=0.0)
                     mass += tl.where(p > thr, q, 0.0)
-                total = tl.sum(mass, 0)
+                q_mass = tl.sum(mass, 0)
                 dev = tl.zeros((BLOCK,), tl.float32)
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     m = offs < V
                     p = tl.load(p_row + offs, mask=m, other=0.0)
                     q = tl.load(q_row + offs, mask=m, other=0.0)
-                    dev += tl.abs(tl.where(p > thr, q, 0.0) - total * p)
+                    dev += tl.abs(tl.where(p > thr, q, 0.0) - q_mass * p)
                 d = 0.5 * tl.sum(dev, 0)
             else:
                 d = tl.where(acc, 1.0 - px, 0.0)
@@ -163,23 +198,21 @@ def _verify_positions_kernel(
             qx = tl.load(q_row + x)
             if rule == REJECTION:
                 acc = u * qx < px
-                y = _residual(p_row, q_row, e_row, V, x, 2, BLOCK)
+                total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 2, 0, BLOCK)
+                y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
             elif rule == EPS_TVD:
-                _b, y, tv = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 2, 1, BLOCK)
-                if _b <= 0:
-                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                total, tv = _mass(p_row, q_row, V, x, 1.0, 1.0, 2, 1, BLOCK)
+                y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
                 ratio = tl.where(tv > prm, tl.math.div_rn(prm, tl.where(tv > prm, tv, 1.0)), 1.0)
                 acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
                 d = tl.minimum(prm, tv)
             elif rule == LAMBDA:
-                _b, y, d = _pass(p_row, q_row, e_row, V, x, prm, 1.0, 2, 2, BLOCK)
-                if _b <= 0:
-                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                total, d = _mass(p_row, q_row, V, x, prm, 1.0, 2, 2, BLOCK)
+                y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
                 acc = u * (prm * qx) < px
             else:                               # SGLANG: prm = threshold_acc, prm2 = threshold_single
-                _b, y, c_sum = _pass(p_row, q_row, e_row, V, x, prm, prm2, 3, 4, BLOCK)
-                if _b <= 0:
-                    _b2, y, _a2 = _pass(p_row, q_row, e_row, V, x, 1.0, 1.0, 1, 0, BLOCK)
+                total, c_sum = _mass(p_row, q_row, V, x, prm, prm2, 3, 4, BLOCK)
+                y = _draw(p_row, q_row, V, x, us, total, 3, BLOCK)
                 acc = (px >= prm2) | (u * prm < px)
                 dev = tl.zeros((BLOCK,), tl.float32)
                 for start in range(0, V, BLOCK):
@@ -203,7 +236,7 @@ def _block_size(vocab: int, device: torch.device) -> int:
 
 
 def positions_triton(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
-                     exp_noise, noise_rows=None, *, block: int | None = None):
+                     sample_u, noise_rows=None, *, block: int | None = None):
     """Triton twin of `kernels.reference.positions_reference` (same arguments and outputs).
 
     `block` overrides the vocabulary block size (a power of two; tests use small blocks to
@@ -223,6 +256,6 @@ def positions_triton(tok, draft_idx, rule, param, param2, uniforms, target_probs
     _verify_positions_kernel[(num_rows,)](
         tok.contiguous(), draft_idx.contiguous(), rule.contiguous(), param.contiguous(),
         param2.contiguous(), uniforms.contiguous(), target_probs,
-        draft_probs if has_q else target_probs, exp_noise, noise_rows.contiguous(), accept, token, tvd, vocab,
+        draft_probs if has_q else target_probs, sample_u, noise_rows.contiguous(), accept, token, tvd, vocab,
         HAS_Q=has_q, BLOCK=block or _block_size(vocab, device), **extra)
     return accept.bool(), token, tvd

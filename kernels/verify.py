@@ -49,8 +49,8 @@ def verify(
     rule: torch.Tensor,            # [B] int32
     param: torch.Tensor,           # [B] f32
     param2: torch.Tensor,          # [B] f32
-    uniforms: torch.Tensor,        # [N] f32, U(0, 1)
-    exp_noise: torch.Tensor,       # [N + B, V] f32, Exp(1); [M, V] with noise_rows
+    uniforms: torch.Tensor,        # [N] f32, U(0, 1): the drafts' coins
+    sample_u: torch.Tensor,        # [N + B] f32, U(0, 1): each target row's draw; [M] with noise_rows
     max_k: int,
     *,
     noise_rows: torch.Tensor | None = None,  # [N + B] int64 noise row of each target row
@@ -61,8 +61,9 @@ def verify(
 ) -> VerifyOutput:
     """Verify the drafts of a ragged batch; see the module docstring and docs/contracts.md §2.
 
-    `noise_rows` lets target rows share noise rows (`kernels.noise`: one per request);
-    None: target row i reads `exp_noise[i]`. `layout`: the batch's `RaggedLayout` when the caller
+    `sample_u`: the uniform at which a target row's emitted token is drawn (inverse CDF,
+    `kernels.reference.inverse_cdf`); `noise_rows` lets target rows share them (`kernels.noise`:
+    one per request); None: target row i reads `sample_u[i]`. `layout`: the batch's `RaggedLayout` when the caller
     built it (it must match `cu_num_draft`); else built here. `draft_ids`: `draft_probs` is then
     [N, Vd] over the drafter's vocabulary, these target ids (q = 0 elsewhere). `check=True`
     validates values (ids, parameters, offsets, noise rows) at the cost of one host sync; shapes
@@ -82,28 +83,28 @@ def verify(
 
             draft_probs, draft_ids = spread(draft_probs, draft_ids, target_probs.shape[1]), None
     _check_shapes(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
-                  uniforms, exp_noise, max_k, noise_rows, draft_ids)
+                  uniforms, sample_u, max_k, noise_rows, draft_ids)
     if check:
         _check_values(draft_tokens, cu_num_draft, target_probs, draft_probs, rule, param, param2,
                       max_k)
     if layout is None:
         layout = RaggedLayout.from_cu(cu_num_draft, draft_tokens.shape[0])
     if check and noise_rows is not None:
-        _check_noise_rows(exp_noise, noise_rows)
+        _check_noise_rows(sample_u, noise_rows)
     tok, draft_idx, rule_r, param_r, param2_r = _per_target_row(draft_tokens, layout, rule, param, param2)
     if backend == "stop_first":
         from kernels.stop_first import DraftProbs, positions_stop_first
 
         q = None if draft_probs is None else DraftProbs(draft_probs, draft_ids, target_probs.shape[1])
         accept, token, tvd = positions_stop_first(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
-                                                  target_probs, q, exp_noise, noise_rows, layout, max_k)
+                                                  target_probs, q, sample_u, noise_rows, layout, max_k)
         return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
     if backend == "triton":
         from kernels.triton_verify import positions_triton as positions
     else:
         from kernels.reference import positions_reference as positions
     accept, token, tvd = positions(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
-                                   target_probs, draft_probs, exp_noise, noise_rows)
+                                   target_probs, draft_probs, sample_u, noise_rows)
     return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
 
 
@@ -154,7 +155,7 @@ def _check_draft_ids(draft_probs, draft_ids, vocab, values: bool):
 
 
 def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, param2, uniforms,
-                  exp_noise, max_k, noise_rows=None, draft_ids=None):
+                  sample_u, max_k, noise_rows=None, draft_ids=None):
     def need(cond, field, msg):
         if not cond:
             raise ValueError(f"{field}: {msg}")
@@ -172,15 +173,14 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
     need(vocab > 0, "target_probs", "vocab size must be > 0")
     need(target_probs.is_contiguous(), "target_probs", "must be contiguous")
     if noise_rows is None:
-        need(tuple(exp_noise.shape) == (n + b, vocab) and exp_noise.dtype == torch.float32
-             and exp_noise.is_contiguous(), "exp_noise",
-             f"expected contiguous float32 [{n + b}, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
+        need(tuple(sample_u.shape) == (n + b,) and sample_u.dtype == torch.float32 and sample_u.is_contiguous(),
+             "sample_u", f"expected contiguous float32 [{n + b}] (one per target row), got "
+             f"{tuple(sample_u.shape)} {sample_u.dtype}")
     else:
         need(tuple(noise_rows.shape) == (n + b,) and noise_rows.dtype == torch.int64, "noise_rows",
              f"expected int64 [{n + b}] (one per target row), got {tuple(noise_rows.shape)} {noise_rows.dtype}")
-        need(exp_noise.dim() == 2 and exp_noise.shape[1] == vocab and exp_noise.dtype == torch.float32
-             and exp_noise.is_contiguous(), "exp_noise",
-             f"expected contiguous float32 [rows, {vocab}], got {tuple(exp_noise.shape)} {exp_noise.dtype}")
+        need(sample_u.dim() == 1 and sample_u.dtype == torch.float32 and sample_u.is_contiguous(), "sample_u",
+             f"expected contiguous float32 [rows], got {tuple(sample_u.shape)} {sample_u.dtype}")
     if draft_probs is not None:
         width = vocab if draft_ids is None else draft_ids.shape[0]
         need(tuple(draft_probs.shape) == (n, width) and draft_probs.dtype == torch.float32
@@ -194,7 +194,7 @@ def _check_shapes(draft_tokens, cu, target_probs, draft_probs, rule, param, para
     device = target_probs.device
     for name, tensor in (("draft_tokens", draft_tokens), ("cu_num_draft", cu), ("rule", rule),
                          ("param", param), ("param2", param2), ("uniforms", uniforms),
-                         ("exp_noise", exp_noise), ("draft_probs", draft_probs), ("noise_rows", noise_rows)):
+                         ("sample_u", sample_u), ("draft_probs", draft_probs), ("noise_rows", noise_rows)):
         need(tensor is None or tensor.device == device, name,
              f"on {tensor.device if tensor is not None else None}, expected {device} (target_probs' device)")
 
@@ -239,7 +239,7 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
             raise ValueError(f"{field}: {msg}")
 
 
-def _check_noise_rows(exp_noise, noise_rows):
+def _check_noise_rows(sample_u, noise_rows):
     """Noise-row ids in range (one host sync)."""
-    if bool(((noise_rows < 0) | (noise_rows >= exp_noise.shape[0])).any()):
-        raise ValueError(f"noise_rows: noise row ids must lie in [0, {exp_noise.shape[0]})")
+    if bool(((noise_rows < 0) | (noise_rows >= sample_u.shape[0])).any()):
+        raise ValueError(f"noise_rows: noise row ids must lie in [0, {sample_u.shape[0]})")

@@ -44,7 +44,8 @@ def draft_dist(seed, spread=1.0):
 
 
 def exp_noise(shape, g):
-    """Exp(1) noise by inversion (-log(1 - U)); faster than exponential_ on CPU."""
+    """Exp(1) noise by inversion (-log(1 - U)), for drawing drafts from q by the exponential race
+    (faster than exponential_ on CPU)."""
     return torch.rand(shape, generator=g).neg_().log1p_().neg_()
 
 
@@ -52,8 +53,8 @@ def run(ps, qs, rule, prm=0.0, prm2=0.0, n=N, seed=0, sampling_qs=None, per_requ
     """n identical rows with k = len(qs) drafts; p per target row (ps [k+1, V]), q per draft.
 
     Drafts are drawn from `sampling_qs` (defaults to qs, the q handed to the rule).
-    `per_request_noise`: one race-noise row per request shared by its k + 1 target rows
-    (`kernels.noise`; allowed for rules whose accept does not read noise).
+    `per_request_noise`: one draw uniform per request shared by its k + 1 target rows
+    (`kernels.noise`; allowed for rules whose accept does not read it).
     """
     g = torch.Generator().manual_seed(seed)
     k = qs.shape[0]
@@ -66,7 +67,7 @@ def run(ps, qs, rule, prm=0.0, prm2=0.0, n=N, seed=0, sampling_qs=None, per_requ
     rows = torch.arange(n).repeat_interleave(k + 1) if per_request_noise else None
     out = verify(x, cu, p, q, torch.full((n,), int(rule), dtype=torch.int32),
                  torch.full((n,), float(prm)), torch.full((n,), float(prm2)),
-                 torch.rand(n * k, generator=g), exp_noise((n if per_request_noise else n * (k + 1), VOCAB), g), k,
+                 torch.rand(n * k, generator=g), torch.rand(n if per_request_noise else n * (k + 1), generator=g), k,
                  noise_rows=rows)
     return out
 

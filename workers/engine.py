@@ -48,11 +48,11 @@ from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, St
 from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
 from workers.linear import WIDE_ROWS, prepare_for_inference
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
-from workers.sampling import probabilities, race_sample
+from workers.sampling import probabilities
 from workers.step_batch import RequestState, StepBatch, StepPlan, StepResult, common_value, sampling_tensors
 from workers.suffix import SuffixConfig, SuffixDrafter
 from workers.target_model import load_target, resolve_dtype
-from workers.verification import AcceptCounters, Verifier, next_token_noise
+from workers.verification import AcceptCounters, Verifier, next_tokens
 
 __all__ = ["DEMO_DRAFTER", "DEMO_TARGET", "PENDING_WINDOW", "SUFFIX_WIDTH", "Engine", "EngineConfig"]
 
@@ -433,7 +433,7 @@ class Engine:
             self.drafting.write_prompt(hidden, row0)
         temp, top_k, top_p = sampling_tensors(new, dev)
         probs = probabilities(logits[:, 0], temp, top_k, top_p)  # [m, V]
-        first = race_sample(probs, next_token_noise(new, probs.shape[1], dev), temp <= 0)
+        first = next_tokens(probs, new, dev)
         self.verifier.counters.reset(row0, m)
         tokens = first.tolist()  # the prefill's one host sync
         now = self.clock()

@@ -5,8 +5,9 @@
 set of most likely tokens whose mass reaches top_p). Rows with temperature 0 (greedy) get the
 plain softmax: only its argmax is used.
 
-Sampling never syncs with the host: `race_sample` is the exponential race
-(`argmax p / E`, E ~ Exp(1)), `inverse_cdf_sample` uses one uniform per draw.
+Sampling never syncs with the host: `inverse_cdf_sample` (the drafter's draws) uses one uniform
+per draw; the target's tokens are drawn by `kernels.reference.inverse_cdf` (float64 sums, shared
+with the verification kernels).
 """
 
 from __future__ import annotations
@@ -64,11 +65,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     c = (chunk_max == top).to(torch.uint8).max(-1).indices  # [N] first chunk holding the maximum
     inside = chunks[torch.arange(chunks.shape[0], device=x.device), c]  # [N, L]
     return (c * L + inside.max(-1).indices).view(lead)
-
-
-def race_sample(probs: torch.Tensor, exp_noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """probs [N, V], exp_noise [N, V] Exp(1), greedy [N] bool -> tokens [N] int64."""
-    return torch.where(greedy, probs.argmax(-1), (probs / exp_noise).argmax(-1))
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@ Words:
   position (Kc), positions verified), features]; `workers.step_batch.StepResult.unpack` names
   its fields.
 
-Every sampled request draws its coins and race noise from its own generator
-(`kernels.draw_noise`), one noise row per request, so a seeded request's tokens do not depend on
-the rest of the batch.
+Every sampled request draws its coins and the uniform of its emitted token from its own
+generator (`kernels.draw_noise`), one such uniform per request and step, so a seeded request's
+tokens do not depend on the rest of the batch. A step that verifies nothing (`sample_next`) and
+the prefill's first token draw as `kernels.verify` draws a bonus token (`next_tokens`): the same
+uniform, the same inverse CDF, so a request's token does not depend on which path emits it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels import draw_noise, verify
-from kernels.reference import race
+from kernels.reference import inverse_cdf
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
 from kernels.verify import VerifyOutput
 from workers.sampling import argmax, probabilities
@@ -62,10 +64,24 @@ def stop_table(requests, device) -> torch.Tensor:
     return torch.tensor([list(r.stop_ids) + [-2] * (S - len(r.stop_ids)) for r in requests], device=device)
 
 
-def next_token_noise(requests, vocab: int, device) -> torch.Tensor:
-    """[B, V] Exp(1) race noise, one row per request from its generator (ones for greedy rows)."""
-    rules = [int(Rule.REJECTION if r.generator is not None else Rule.GREEDY) for r in requests]
-    return draw_noise([r.generator for r in requests], [0] * len(requests), vocab, device, rules=rules).exp_noise
+def next_tokens(probs: torch.Tensor, requests, device) -> torch.Tensor:
+    """[B] one token per row of probs [B, V]: the argmax for greedy requests (no generator), else
+    an inverse-CDF draw (`kernels.reference.inverse_cdf`) at one uniform from the request's
+    generator, which is what `kernels.verify` draws at a row without drafts (`kernels.draw_noise`
+    with no coins). Greedy and sampled rows are picked on the host (no device sync)."""
+    greedy = [i for i, r in enumerate(requests) if r.generator is None]
+    sampled = [i for i, r in enumerate(requests) if r.generator is not None]
+    if not sampled:
+        return argmax(probs)
+    tok = torch.zeros(probs.shape[0], dtype=torch.int64, device=device)
+    if greedy:
+        g = torch.tensor(greedy, device=device)
+        tok[g] = argmax(probs.index_select(0, g))
+    s = torch.tensor(sampled, device=device)
+    u = draw_noise([requests[i].generator for i in sampled], [0] * len(sampled), device,
+                   rules=[int(Rule.REJECTION)] * len(sampled)).sample_u                    # [S]
+    tok[s] = inverse_cdf(probs.index_select(0, s), u)[0]
+    return tok
 
 
 class Verifier:
@@ -115,11 +131,11 @@ class Verifier:
             q_flat = q[lay.draft_row, lay.draft_col] if needs_q else None  # [n, Vd]
             rep = lambda t: None if t is None else t[lay.row]
         p_flat = probabilities(logits_flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p))  # [n + B, V]
-        noise = draw_noise([r.generator for r in batch.requests], k_host, V, dev, rules=plan.rule_host, layout=lay)
+        noise = draw_noise([r.generator for r in batch.requests], k_host, dev, rules=plan.rule_host, layout=lay)
         if q_flat is not None:  # [n, Vd] over the draft vocabulary (`verify` spreads what it reads)
             q_flat = q_flat.contiguous()
         return verify(draft_flat, lay.cu, p_flat, q_flat, plan.rule, plan.param, plan.param2, noise.uniforms,
-                      noise.exp_noise, kmax, noise_rows=noise.noise_rows, layout=lay, check=False,
+                      noise.sample_u, kmax, noise_rows=noise.noise_rows, layout=lay, check=False,
                       draft_ids=q_ids if q_flat is not None else None)
 
     @staticmethod
@@ -171,16 +187,16 @@ class Verifier:
 
     def sample_next(self, logits: torch.Tensor, requests, temperature, top_k, top_p, feats) -> list[list[float]]:
         """The autoregressive step (no row verifies a draft): logits [B, V] of each row's anchor
-        position; each row emits one token, drawn as `kernels.verify` draws a bonus token (argmax of
-        p for T = 0 rows, the exponential race over p otherwise, with the same noise), without the
-        ragged layout, rules and counters (nothing is accepted, so they do not change).
+        position; each row emits one token, drawn as `kernels.verify` draws a bonus token
+        (`next_tokens`: argmax of p for T = 0 rows, an inverse-CDF draw of p at one uniform
+        otherwise), without the ragged layout, rules and counters (nothing is accepted, so they do
+        not change).
         Returns host rows as `commit`'s with no counters: [token, 0, 1, 0.0, *feats]."""
         B, V = logits.shape
         if all(r.generator is None for r in requests):  # all greedy (T = 0): no noise to draw
             tok = argmax(logits)  # argmax p = argmax of the logits (see `greedy`)
         else:
-            p = probabilities(logits, temperature, top_k, top_p)  # [B, V]
-            tok = torch.where(temperature <= 0, argmax(p), race(p, next_token_noise(requests, V, self.device))[0])
+            tok = next_tokens(probabilities(logits, temperature, top_k, top_p), requests, self.device)  # p [B, V]
         zero = torch.zeros(B, 1, dtype=torch.float64, device=self.device)
         cols = [tok[:, None].double(), zero, zero + 1, zero] + [f.double() for f in feats]
         return torch.cat(cols, 1).tolist()  # the step's one host sync

@@ -95,7 +95,7 @@ def resolve_pair(name: str, target: str | None, drafter: str | None) -> tuple[st
 # -- (1) kernels ----------------------------------------------------------------------------------
 def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
     """A ragged batch on CPU (tests/test_kernels_equal.py uses it too): drafts drawn from q, q partly
-    aligned with p (`close`), rows in `greedy_rows` with one-hot p (T = 0), fresh Exp(1) noise."""
+    aligned with p (`close`), rows in `greedy_rows` with one-hot p (T = 0), fresh coins and draw uniforms."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -113,8 +113,8 @@ def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
     q = (close * logits[is_draft] + (1 - close) * torch.randn(n, vocab, generator=g) * 3).softmax(-1)
     x = torch.multinomial(q, 1, generator=g).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
     u = torch.rand(n, generator=g)
-    e = torch.empty(n + batch, vocab).exponential_(generator=g)
-    return {"x": x, "cu": cu, "p": p.contiguous(), "q": q.contiguous(), "u": u, "e": e}
+    s = torch.rand(n + batch, generator=g)  # one draw uniform per target row
+    return {"x": x, "cu": cu, "p": p.contiguous(), "q": q.contiguous(), "u": u, "s": s}
 
 
 def _rule_args(rules, device):
@@ -138,7 +138,7 @@ def compare_verify(batch, rules, max_k, device, with_q=True, cpu_reference=False
 
     def call(d, dev, backend):
         rule, prm, prm2 = _rule_args(rules, dev)
-        return lambda: verify(d["x"], d["cu"], d["p"], d["q"] if with_q else None, rule, prm, prm2, d["u"], d["e"],
+        return lambda: verify(d["x"], d["cu"], d["p"], d["q"] if with_q else None, rule, prm, prm2, d["u"], d["s"],
                               max_k, backend=backend)
 
     dev_batch = {k: v.to(device) for k, v in batch.items()}

@@ -61,8 +61,8 @@ def _inputs(batch, k, vocab, seed, device, ragged=False):
     x = (q / e_draft).argmax(-1)                                         # drafts ~ q
     del e_draft
     u = torch.rand(n, generator=g)
-    e = torch.rand(n + batch, vocab, generator=g).neg_().log1p_().neg_()   # Exp(1)
-    out = dict(draft_tokens=x, cu_num_draft=cu, target_probs=p, draft_probs=q, uniforms=u, exp_noise=e)
+    s = torch.rand(n + batch, generator=g)                               # one draw uniform per target row
+    out = dict(draft_tokens=x, cu_num_draft=cu, target_probs=p, draft_probs=q, uniforms=u, sample_u=s)
     return {name: t.to(device) for name, t in out.items()}, n
 
 
@@ -71,7 +71,7 @@ def _first_rows(d, rows):
     cu = d["cu_num_draft"][: rows + 1]
     n = int(cu[-1])
     return dict(draft_tokens=d["draft_tokens"][:n], cu_num_draft=cu, target_probs=d["target_probs"][: n + rows],
-                draft_probs=d["draft_probs"][:n], uniforms=d["uniforms"][:n], exp_noise=d["exp_noise"][: n + rows])
+                draft_probs=d["draft_probs"][:n], uniforms=d["uniforms"][:n], sample_u=d["sample_u"][: n + rows])
 
 
 def _call_rows(d, rule, backend, k, rows):
@@ -79,7 +79,7 @@ def _call_rows(d, rule, backend, k, rows):
 
     rule_t, prm, prm2 = _rule_args(rule, rows, d["target_probs"].device)
     return lambda: verify(d["draft_tokens"], d["cu_num_draft"], d["target_probs"], d["draft_probs"],
-                          rule_t, prm, prm2, d["uniforms"], d["exp_noise"], k, backend=backend)
+                          rule_t, prm, prm2, d["uniforms"], d["sample_u"], k, backend=backend)
 
 
 def _rule_args(rule, batch, device):
@@ -124,7 +124,7 @@ def run(args) -> int:
     def call(d, rule, backend, device):
         rule_t, prm, prm2 = _rule_args(rule, batch, device)
         return lambda: verify(d["draft_tokens"], d["cu_num_draft"], d["target_probs"], d["draft_probs"],
-                              rule_t, prm, prm2, d["uniforms"], d["exp_noise"], k, backend=backend)
+                              rule_t, prm, prm2, d["uniforms"], d["sample_u"], k, backend=backend)
 
     results = []
     for rule in rules:
