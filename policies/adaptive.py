@@ -107,7 +107,8 @@ class AdaptivePolicy(Policy):
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
-                 hold_max: int = 8, hold_share: float = 0.05, sla_guard: bool = True, sla_clock: str = "wall",
+                 hold_max: int = 8, hold_share: float = 0.05, hold_joins: bool = True,
+                 sla_guard: bool = True, sla_clock: str = "wall",
                  sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
                  sla_reach: bool = True, overhead_scales: bool = True,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
@@ -148,11 +149,13 @@ class AdaptivePolicy(Policy):
         if not 0.0 <= hold_share <= 1.0:
             raise ValueError(f"hold_share: must be in [0, 1], got {hold_share!r}")
         self.hold_max, self.hold_share = hold_max, float(hold_share)
+        # a hold survives requests leaving the batch; with `hold_joins` also requests joining it
+        self.hold_joins = bool(hold_joins)
         # EMAs of a full decision's host time (ms) and of a plain step's time (ms): holding pays
         # only where deciding is a noticeable share of a step
         self.decide_ms: float | None = None
         self.plain_ms: float | None = None
-        self._hold_key, self._hold_left, self._plain_run = None, 0, 0  # see "Decision cadence" above
+        self._hold_key, self._hold_left, self._plain_run = frozenset(), 0, 0  # see "Decision cadence" above
         self.held_steps = 0
         self.use_suffix = bool(use_suffix)
         if suffix_margin < 0:
@@ -334,8 +337,16 @@ class AdaptivePolicy(Policy):
         """True while the policy holds a plain decision (the next step decides nothing)."""
         return self._hold_left > 0
 
+    def _holds(self, rows) -> bool:
+        """Whether this step keeps the held plain answer: a hold is on, and the batch holds no
+        request the held decision did not see, or ``hold_joins`` (requests that join take plain
+        steps until the hold runs out, at most ``hold_max`` steps)."""
+        if self._hold_left <= 0:
+            return False
+        return self.hold_joins or self._hold_key.issuperset(rows.request_ids)
+
     def choose_steps(self, rows) -> torch.Tensor:
-        if self._hold_left > 0 and tuple(rows.request_ids) == self._hold_key:
+        if self._holds(rows):
             t0 = time.thread_time()
             self._hold_left -= 1
             self.held_steps += 1
@@ -360,7 +371,7 @@ class AdaptivePolicy(Policy):
             # a plain decision made with every source in view: hold it for 1, 2, 4, ... steps
             self._plain_run += 1
             self._hold_left = min(self.hold_max, 1 << min(self._plain_run - 1, 16))
-            self._hold_key = tuple(rows.request_ids)
+            self._hold_key = frozenset(rows.request_ids)
         elif not plain:
             self._plain_run = 0
         return steps

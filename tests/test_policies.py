@@ -435,7 +435,8 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
 def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     """Decision cadence: after a plain decision (nothing pays) the policy answers the next 1, 2,
     4, ... (at most hold_max) steps without deciding and asks the engine for no suffix drafts;
-    a request joining the batch ends the hold; a decision that drafts resets the growth."""
+    requests leaving the batch keep the hold, a request joining it keeps it too (`hold_joins`,
+    the default) or ends it; a decision that drafts resets the growth."""
     import dataclasses
 
     rows = make_rows(4)
@@ -450,11 +451,26 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
         assert p.choose_steps(rows).tolist() == [0, 0, 0, 0]
     assert [i for i, h in enumerate(held) if h] == [1, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14]  # holds of 1, 2, 4, 4
     assert len(decided) == 5 and p.stats()["held_share"] == pytest.approx(11 / 16)
-    assert p.holding
-    # a request joins: the policy decides (without the suffix drafts the engine skipped) and does not hold
+    assert p.holding  # a hold of 4 begins after step 15's plain decision
+    # a request leaves (and the slots are reordered): nothing new to look at, the hold goes on
+    assert p.choose_steps(make_rows(3, ids=["r2", "r0", "r1"])).tolist() == [0, 0, 0]
+    # a request joins: with `hold_joins` it takes plain steps until the hold runs out
     joined = make_rows(4, ids=["r0", "r1", "r2", "new"])
-    p.choose_steps(joined)
-    assert len(decided) == 6 and not p.holding and p.reads_suffix
+    assert p.choose_steps(joined).tolist() == [0, 0, 0, 0]
+    assert len(decided) == 5 and p.holding
+    # without `hold_joins` a request joining ends the hold: the policy decides (without the suffix
+    # drafts the engine skipped) and does not hold
+    strict = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0, hold_joins=False)
+    strict_decided = []
+    inner_strict = strict._steps
+    strict._steps = lambda r, ctx: strict_decided.append(1) or inner_strict(r, ctx)
+    for _ in range(3):  # decided, held, decided: a hold of 2 begins
+        strict.choose_steps(rows)
+    assert strict.holding and len(strict_decided) == 2
+    strict.choose_steps(make_rows(3, ids=["r2", "r0", "r1"]))  # a request left: still held
+    assert len(strict_decided) == 2 and strict.holding
+    strict.choose_steps(joined)
+    assert len(strict_decided) == 3 and not strict.holding and strict.reads_suffix
     # hold_max = 0: decides every step
     q = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=0)
     for _ in range(3):
