@@ -94,7 +94,7 @@ class AdaptiveSettings(_Settings):
     overhead_by_source: bool = Field(default=None)
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
-    hold_joins: bool = Field(default=None)
+    hold_joins_rows: int | None = Field(default=None, ge=1)
     sla_guard: bool = Field(default=None)
     sla_clock: Literal["wall", "decode"] = Field(default=None)
     sla_guard_behind: bool = Field(default=None)

@@ -64,9 +64,12 @@ the step, 22 % of a row's share; holding there took the policy from 0.91x to 0.9
 autoregressive decoding at batch 8 (interleaved runs of equal-length requests), while at batch 1
 (1 ms of a ~38 ms step) it decides every step. (On a larger target deciding is ~2 % of a step
 and holding would only react late to copies.) While holding it reads no suffix drafts (the
-engine skips proposing them) and answers without computing anything; a request joining the
-batch ends the hold. A held step still tells the policy its outcome (latency book-keeping, the
-online cost model).
+engine skips proposing them) and answers without computing anything. Requests leaving the batch
+keep the hold; requests joining it keep it too where the batch has at least ``hold_joins_rows``
+(8) rows (they take plain steps until it runs out: stop 50, at 8 requests a join comes every few
+steps and ended half the holds; at 2 and 4 requests holding through joins lost 1–3 %), else a
+join ends it. A held step still tells the policy its outcome (latency
+book-keeping, the online cost model).
 
 Draft span (``span_headroom``): the drafter denoises only the block positions a row may verify
 (`draft_span`, asked by the engine before drafting): the plan's longest diffusion draft plus
@@ -107,7 +110,7 @@ class AdaptivePolicy(Policy):
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
                  suffix_first: bool = False,
-                 hold_max: int = 8, hold_share: float = 0.05, hold_joins: bool = True,
+                 hold_max: int = 8, hold_share: float = 0.05, hold_joins_rows: int | None = 8,
                  sla_guard: bool = True, sla_clock: str = "wall",
                  sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
                  sla_reach: bool = True, overhead_scales: bool = True,
@@ -149,8 +152,11 @@ class AdaptivePolicy(Policy):
         if not 0.0 <= hold_share <= 1.0:
             raise ValueError(f"hold_share: must be in [0, 1], got {hold_share!r}")
         self.hold_max, self.hold_share = hold_max, float(hold_share)
-        # a hold survives requests leaving the batch; with `hold_joins` also requests joining it
-        self.hold_joins = bool(hold_joins)
+        # a hold survives requests leaving the batch, and requests joining it where the batch has
+        # at least `hold_joins_rows` rows (None: never)
+        if hold_joins_rows is not None and (not isinstance(hold_joins_rows, int) or hold_joins_rows < 1):
+            raise ValueError(f"hold_joins_rows: must be an integer >= 1 or null, got {hold_joins_rows!r}")
+        self.hold_joins_rows = hold_joins_rows
         # EMAs of a full decision's host time (ms) and of a plain step's time (ms): holding pays
         # only where deciding is a noticeable share of a step
         self.decide_ms: float | None = None
@@ -339,11 +345,12 @@ class AdaptivePolicy(Policy):
 
     def _holds(self, rows) -> bool:
         """Whether this step keeps the held plain answer: a hold is on, and the batch holds no
-        request the held decision did not see, or ``hold_joins`` (requests that join take plain
-        steps until the hold runs out, at most ``hold_max`` steps)."""
+        request the held decision did not see, or it has at least ``hold_joins_rows`` rows
+        (requests that join take plain steps until the hold runs out, at most ``hold_max``)."""
         if self._hold_left <= 0:
             return False
-        return self.hold_joins or self._hold_key.issuperset(rows.request_ids)
+        joins_held = self.hold_joins_rows is not None and len(rows.request_ids) >= self.hold_joins_rows
+        return joins_held or self._hold_key.issuperset(rows.request_ids)
 
     def choose_steps(self, rows) -> torch.Tensor:
         if self._holds(rows):

@@ -435,12 +435,12 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
 def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     """Decision cadence: after a plain decision (nothing pays) the policy answers the next 1, 2,
     4, ... (at most hold_max) steps without deciding and asks the engine for no suffix drafts;
-    requests leaving the batch keep the hold, a request joining it keeps it too (`hold_joins`,
-    the default) or ends it; a decision that drafts resets the growth."""
+    requests leaving the batch keep the hold, a request joining it keeps it too in batches of at
+    least `hold_joins_rows` rows, else ends it; a decision that drafts resets the growth."""
     import dataclasses
 
     rows = make_rows(4)
-    p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0)
+    p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0, hold_joins_rows=4)
     decided = []
     inner = p._steps
     p._steps = lambda r, ctx: decided.append(1) or inner(r, ctx)
@@ -454,13 +454,13 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     assert p.holding  # a hold of 4 begins after step 15's plain decision
     # a request leaves (and the slots are reordered): nothing new to look at, the hold goes on
     assert p.choose_steps(make_rows(3, ids=["r2", "r0", "r1"])).tolist() == [0, 0, 0]
-    # a request joins: with `hold_joins` it takes plain steps until the hold runs out
+    # a request joins a batch of 4 rows (`hold_joins_rows`): it takes plain steps until the hold runs out
     joined = make_rows(4, ids=["r0", "r1", "r2", "new"])
     assert p.choose_steps(joined).tolist() == [0, 0, 0, 0]
     assert len(decided) == 5 and p.holding
-    # without `hold_joins` a request joining ends the hold: the policy decides (without the suffix
-    # drafts the engine skipped) and does not hold
-    strict = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0, hold_joins=False)
+    # in a batch below `hold_joins_rows` (the default 8) a request joining ends the hold: the
+    # policy decides (without the suffix drafts the engine skipped) and does not hold
+    strict = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0)
     strict_decided = []
     inner_strict = strict._steps
     strict._steps = lambda r, ctx: strict_decided.append(1) or inner_strict(r, ctx)
@@ -502,6 +502,8 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
         policies.get("adaptive", hold_max=-1)
     with pytest.raises(ValueError, match="hold_share"):
         policies.get("adaptive", hold_share=2.0)
+    with pytest.raises(ValueError, match="hold_joins_rows"):
+        policies.get("adaptive", hold_joins_rows=0)
 
 
 def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
