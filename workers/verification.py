@@ -192,7 +192,7 @@ class Verifier:
         otherwise), without the ragged layout, rules and counters (nothing is accepted, so they do
         not change).
         Returns host rows as `commit`'s with no counters: [token, 0, 1, 0.0, *feats]."""
-        B, V = logits.shape
+        B = logits.shape[0]
         if all(r.generator is None for r in requests):  # all greedy (T = 0): no noise to draw
             tok = argmax(logits)  # argmax p = argmax of the logits (see `greedy`)
         else:
