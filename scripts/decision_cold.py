@@ -6,9 +6,13 @@ A live engine step runs the target's forward between two decisions, which fills 
 with weights, so the decision's code and data come back cold; a loop that times the same call
 again and again measures it warm. Each call is timed ``--calls`` times per mode and the median is
 printed, in µs (stop 48: survival of 2 rows × 16 positions 151 µs warm, 655 µs after a 2048²
-matmul on this 2-core machine; docs/controller.md). Example:
+matmul on this 2-core machine; docs/controller.md). With ``--bursts`` it also times bursts of
+``n`` = 1, 5, 20, 60 small operations of three kinds (torch ops on [2, 16] tensors cycling through
+five ops, the same in numpy, plain Python float arithmetic): what the cold penalty is per burst
+and per operation (stop 51: the first torch op of a cold burst ~100–190 µs, later ones near their
+warm ~3–8 µs; numpy alike; plain Python ~17 µs for the burst). Example:
 
-    python scripts/decision_cold.py --rows 2 --out results/decision-cold-48.json
+    python scripts/decision_cold.py --rows 2 --bursts --out results/decision-cold-51.json
 """
 
 from __future__ import annotations
@@ -23,6 +27,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def bursts(torch) -> dict:
+    """{name: call}: bursts of n small operations, n = 1, 5, 20, 60, of three kinds."""
+    import numpy as np
+
+    x, xn = torch.rand(2, 16), np.random.default_rng(0).random((2, 16))
+    torch_ops = (lambda y: y * 1.5, lambda y: y.clamp(0, 1), lambda y: y.cumsum(1), torch.sigmoid, torch.log1p)
+    numpy_ops = (lambda y: y * 1.5, lambda y: np.clip(y, 0, 1), lambda y: y.cumsum(1),
+                 lambda y: 1 / (1 + np.exp(-y)), np.log1p)
+
+    def run(ops, y0, n):
+        y = y0
+        for i in range(n):
+            y = ops[i % len(ops)](y)
+
+    def python(n):
+        y = [0.3, 0.5]
+        for _ in range(n):
+            y = [v * 1.01 + 0.1 for v in y]
+
+    calls = {}
+    for n in (1, 5, 20, 60):
+        calls[f"torch x{n}"] = lambda n=n: run(torch_ops, x, n)
+        calls[f"numpy x{n}"] = lambda n=n: run(numpy_ops, xn, n)
+        calls[f"python x{n}"] = lambda n=n: python(n)
+    return calls
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[1] / "models/smollm2/policy.json"))
@@ -31,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--matmul", type=int, default=2048, help="side of the square matmul run before a cold call")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bursts", action="store_true", help="also time bursts of n small ops (torch, numpy, Python)")
     p.add_argument("--out", default=None, help="write the medians here as JSON")
     args = p.parse_args(argv)
 
@@ -54,6 +86,8 @@ def main(argv=None) -> int:
         "greedy_prefix": lambda: greedy_prefix(values, float(B), B, lambda n: cost.step_ms(n) + 3.0, "argmax"),
         "step_ms": lambda: cost.step_ms(torch.arange(B * (K + 1), dtype=torch.float64)),
     }
+    if args.bursts:
+        calls.update(bursts(torch))
     w = torch.randn(args.matmul, args.matmul)
     out = {"rows": B, "block": K, "matmul": args.matmul, "threads": args.threads, "us": {}}
     for name, call in calls.items():

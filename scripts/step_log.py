@@ -8,7 +8,9 @@ suffix copy, their weights and lateness against the batch's, how many rows are b
 target, λ, and the step's outcome: wall ms, positions verified, accepted drafts, the cost
 table's prediction and the decision's ms (EMA). The summary prints tokens per ms of plain and
 drafting steps by batch size: where drafting steps earn fewer tokens per ms than plain ones, the
-policy drafts where it should not. Settings of the adaptive policy: ``--set key=value``.
+policy drafts where it should not. Settings of the adaptive policy: ``--set key=value``. With
+``--baseline suffix`` static suffix drafting runs beside it instead of `ar`, and the same summary
+is printed for its steps (stop 51, load 2: `results/policies-smollm2-51/steps-mixed-l2-suffix.json`).
 
     python scripts/step_log.py --load 32 --rounds 1 --sla-ms 39.2 --out /tmp/steps-32.json
 
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--load", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workload", default="mixed")
+    p.add_argument("--baseline", default="ar", choices=("ar", "suffix"), help="the static policy beside it")
     p.add_argument("--sla-ms", type=float, default=None, help="the tight TPOT target (the loose one is 4x)")
     p.add_argument("--set", action="append", default=[], help="an adaptive setting, key=JSON value")
     p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[1] / "models/smollm2/policy.json"))
@@ -96,26 +99,41 @@ def main(argv=None) -> int:
                                 "predicted_ms": predicted, "decision_ms": self.decide_ms})
             return super().observe(rows, outcome)
 
+    from adapt.bench.live import KnobsBaseline
+
+    class LoggedBaseline(KnobsBaseline):
+        """The baseline, its steps' outcomes logged in `base_log` (B, positions, accepted, ms)."""
+
+        def observe(self, rows, outcome):
+            base_log.append({"B": len(rows.request_ids), "ms": 1e3 * outcome.step_time,
+                             "positions": int(outcome.num_tokens), "accepted": int(outcome.accepted.sum()),
+                             "verified": int(outcome.verified.sum())})
+
+    base_log: list[dict] = []
     engines = engine_copies(engine, 2)
     rounds = []
     for r in range(args.rounds):
         kwargs = {"steps_grid": tuple(pf.settings.get("steps_grid", (1,))), **settings}
         policy = build_policy("adaptive", pf, **kwargs)
         policy.__class__ = Logged  # the same policy, its steps and outcomes logged
-        ar = make_policy("ar", pf, steps_grid=(1,), width=K)
-        start = len(log)
+        ar = make_policy(args.baseline, pf, steps_grid=(1,), width=K)
+        ar.__class__ = LoggedBaseline
+        start, base_start = len(log), len(base_log)
         pair = [ar, policy] if r % 2 == 0 else [policy, ar]
         measured = run_round(engines, pair, Scenario("warm", min(args.load, 4), mix[:4]),
                              Scenario("mix", args.load, mix), prompts, interleave=True)
         m_ar, m_ad = measured if r % 2 == 0 else measured[::-1]
         steps = log[start:]
-        rounds.append({"ar": {k: m_ar[k] for k in ("goodput_tok_s", "sla_attainment")},
+        rounds.append({args.baseline: {k: m_ar[k] for k in ("goodput_tok_s", "sla_attainment")},
+                       "baseline_summary": summary(base_log[base_start:]),
                        "adaptive": {k: m_ad.get(k) for k in ("goodput_tok_s", "sla_attainment", "source_share")},
                        "summary": summary(steps), "steps": steps})
-        print(f"round {r}: ar {m_ar['goodput_tok_s']:.1f} tok/s, SLA {m_ar['sla_attainment']:.3f}; adaptive "
+        print(f"round {r}: {args.baseline} {m_ar['goodput_tok_s']:.1f} tok/s, SLA {m_ar['sla_attainment']:.3f}; adaptive "
               f"{m_ad['goodput_tok_s']:.1f} tok/s, SLA {m_ad['sla_attainment']:.3f}", flush=True)
         for line in rounds[-1]["summary"]:
-            print("  " + line, flush=True)
+            print("  adaptive " + line, flush=True)
+        for line in rounds[-1]["baseline_summary"]:
+            print(f"  {args.baseline} " + line, flush=True)
     Path(args.out).write_text(json.dumps({"load": args.load, "sla_ms": [t1, 4 * t1], "settings": settings,
                                           "rounds": rounds}))
     return 0
