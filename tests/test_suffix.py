@@ -705,3 +705,37 @@ def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
     _observe_plain(policy, free, 10, 0.014)
     ctx = policy._ctx(free, torch.device("cpu"))
     assert policy._reachable(free, ctx, torch.tensor([0.0, 0.0]), 2).tolist() == [True, False]
+
+
+def test_a_copy_that_wins_fewer_tokens_than_the_plan_can_still_pay_by_the_pass_it_saves():
+    """One greedy row planned to draft by diffusion (1.5 extra tokens expected, 3 positions, a
+    6 ms drafter pass) is offered a 2-token copy expected to win 1.1 tokens: fewer, but the
+    step costs 11.5 ms instead of 17.5 (2.1 tokens at 0.18 / ms against 2.5 at 0.14). With
+    ``copies_save`` (off by default) the row switches to its copy; without it the choice only
+    considers copies that win more than the plan and keeps the diffusion draft. A copy that saves
+    too little (a 0.1 ms pass) is declined either way."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
+                    generated=torch.full((1,), 10), temperature=torch.zeros(1), recent_accept=torch.full((1,), -1.0),
+                    tvd_spent=torch.zeros(1), remaining=torch.full((1,), 50), batch_size=1, block_size=16,
+                    suffix_len=torch.tensor([2]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
+                    packed_verify=True)
+    steps, extra, toks = torch.tensor([1]), torch.tensor([1.5]), torch.tensor([3.0])  # the plan: one diffusion pass
+
+    def choose(per_pass_ms: float, **settings):
+        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
+                                online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
+        ctx = policy._ctx(rows, torch.device("cpu"))
+        out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+        return out.tolist(), policy._suffix_k.tolist()
+
+    win = float(torch.cumprod(torch.full((2,), 6 / 9), 0).sum())  # the built-in m / (m + 3) law at match 6
+    assert 1.0 < win < 1.5  # fewer than the plan's 1.5
+    assert choose(6.0, copies_save=True) == ([SUFFIX], [2])
+    assert choose(6.0) == ([1], [0])
+    assert choose(0.1, copies_save=True) == ([1], [0])
