@@ -116,19 +116,19 @@ def main(argv=None) -> int:
         kwargs = {"steps_grid": tuple(pf.settings.get("steps_grid", (1,))), **settings}
         policy = build_policy("adaptive", pf, **kwargs)
         policy.__class__ = Logged  # the same policy, its steps and outcomes logged
-        ar = make_policy(args.baseline, pf, steps_grid=(1,), width=K)
-        ar.__class__ = LoggedBaseline
+        base = make_policy(args.baseline, pf, steps_grid=(1,), width=K)
+        base.__class__ = LoggedBaseline
         start, base_start = len(log), len(base_log)
-        pair = [ar, policy] if r % 2 == 0 else [policy, ar]
+        pair = [base, policy] if r % 2 == 0 else [policy, base]
         measured = run_round(engines, pair, Scenario("warm", min(args.load, 4), mix[:4]),
                              Scenario("mix", args.load, mix), prompts, interleave=True)
-        m_ar, m_ad = measured if r % 2 == 0 else measured[::-1]
+        m_base, m_ad = measured if r % 2 == 0 else measured[::-1]
         steps = log[start:]
-        rounds.append({args.baseline: {k: m_ar[k] for k in ("goodput_tok_s", "sla_attainment")},
+        rounds.append({args.baseline: {k: m_base[k] for k in ("goodput_tok_s", "sla_attainment")},
                        "baseline_summary": summary(base_log[base_start:]),
                        "adaptive": {k: m_ad.get(k) for k in ("goodput_tok_s", "sla_attainment", "source_share")},
                        "summary": summary(steps), "steps": steps})
-        print(f"round {r}: {args.baseline} {m_ar['goodput_tok_s']:.1f} tok/s, SLA {m_ar['sla_attainment']:.3f}; adaptive "
+        print(f"round {r}: {args.baseline} {m_base['goodput_tok_s']:.1f} tok/s, SLA {m_base['sla_attainment']:.3f}; adaptive "
               f"{m_ad['goodput_tok_s']:.1f} tok/s, SLA {m_ad['sla_attainment']:.3f}", flush=True)
         for line in rounds[-1]["summary"]:
             print("  adaptive " + line, flush=True)
