@@ -9,8 +9,8 @@ printed, in µs (stop 48: survival of 2 rows × 16 positions 151 µs warm, 655 �
 matmul on this 2-core machine; docs/controller.md). With ``--bursts`` it also times bursts of
 ``n`` = 1, 5, 20, 60 small operations of three kinds (torch ops on [2, 16] tensors cycling through
 five ops, the same in numpy, plain Python float arithmetic): what the cold penalty is per burst
-and per operation (stop 51: the first torch op of a cold burst ~100–190 µs, later ones near their
-warm ~3–8 µs; numpy alike; plain Python ~17 µs for the burst). Example:
+and per operation (stop 51, `results/decision-cold-51.json`: one torch op cold 116 µs against 3 warm,
+60 of them 291 against 105; numpy 49 and 221; plain Python 24–35 µs for the whole burst). Example:
 
     python scripts/decision_cold.py --rows 2 --bursts --out results/decision-cold-51.json
 """
