@@ -87,6 +87,7 @@ class AdaptiveSettings(_Settings):
     suffix_margin: float = Field(default=None)
     suffix_first: bool = Field(default=None)
     copies_save: bool = Field(default=None)
+    copies_drop: bool = Field(default=None)
     suffix_accept: SuffixAcceptTable = Field(default=None)
     suffix_vote: bool = Field(default=None)
     suffix_recalibrate: bool = Field(default=None)

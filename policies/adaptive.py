@@ -109,7 +109,7 @@ class AdaptivePolicy(Policy):
                  sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
                  replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
                  use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
-                 suffix_first: bool = False, copies_save: bool = False,
+                 suffix_first: bool = False, copies_save: bool = False, copies_drop: bool = False,
                  hold_max: int = 8, hold_share: float = 0.05, hold_joins_rows: int | None = 8,
                  sla_guard: bool = True, sla_clock: str = "wall",
                  sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
@@ -172,6 +172,9 @@ class AdaptivePolicy(Policy):
         self.suffix_first = suffix_first  # every row with a suffix draft takes all of it (`_take_suffix`)
         # a row may switch from its diffusion plan to a copy that wins fewer tokens but costs less
         self.copies_save = bool(copies_save)
+        # a step whose copies are taken may also drop the diffusion drafts of the other rows (no
+        # drafter pass): each choice of copies comes a second time with them plain
+        self.copies_drop = bool(copies_drop)
         self.suffix_accept = check_suffix_accept(suffix_accept)
         self.suffix_vote = bool(suffix_vote)  # read the drafts' vote shares (with the table's vote_scale)
         # online recalibration of suffix acceptance (see `suffix_accept_ratio`): decayed sums of the
@@ -484,6 +487,13 @@ class AdaptivePolicy(Policy):
         pass) can be chosen: at 2 requests on SmolLM2's mixed workload it took copies on 33–36 %
         of steps instead of 26 % and measured 0.967× / 0.937× static suffix drafting against
         0.982× / 0.970× without it (two interleaved runs); 1.093× against 1.090× at one request.
+        With ``copies_drop`` (off by default; stop 52) each candidate in which some row takes its
+        copy while others keep diffusion drafts comes a second time with those others plain (their
+        planned extra tokens lost, no drafter pass): at 2 requests a step whose copy row sat beside
+        a plain row earned more per ms than one beside a diffusing row (0.16–0.22 against
+        0.14–0.18 tokens per ms for copies of 3 or more tokens, `scripts/step_log.py`), but live
+        the option measured 0.950× static suffix drafting against 0.966× without it (one
+        interleaved run, three rounds).
 
         With ``suffix_first`` every row that has a suffix draft takes the whole of it, whatever its
         plan (static suffix drafting's choice, kept where the suffix drafter has nothing)."""
@@ -515,10 +525,18 @@ class AdaptivePolicy(Policy):
         if self.copies_save:
             take = torch.cat([take, (k > 0) & torch.isfinite(over) & (w[:, None] > 0)], 1)  # [B, 2C]
             k, expect, over = torch.cat([k, k], 1), torch.cat([expect, expect], 1), torch.cat([over, over], 1)
-        gain = torch.where(take, w[:, None] * over, 0.0)                               # [B, C] (< 0: fewer tokens)
         plan_extra = extra.clamp(min=0).nan_to_num(posinf=0.0)                          # [B] the plan's extra tokens
         diffusing = steps > 0
         stay = diffusing[:, None] & ~take                                              # [B, C] keeps its diffusion draft
+        dropped = torch.zeros_like(stay)                                               # [B, C] plan dropped: plain
+        if self.copies_drop:  # each choice of copies again with the rest of the plan dropped (no drafter pass)
+            twins = (take.any(0) & stay.any(0)).nonzero().squeeze(1)                   # [C2] candidates
+            if twins.numel():
+                k, take, expect, over = (torch.cat([t, t[:, twins]], 1) for t in (k, take, expect, over))
+                dropped = torch.cat([dropped, stay[:, twins]], 1)
+                stay = torch.cat([stay, torch.zeros_like(stay[:, twins])], 1)
+        gain = torch.where(take, w[:, None] * over, 0.0)                               # [B, C] (< 0: fewer tokens)
+        gain = gain - torch.where(dropped, w[:, None] * plan_extra[:, None], 0.0)      # a dropped row's plan is lost
         if packed:  # each row costs its own positions
             own = torch.where(take, 1 + k, torch.where(stay, toks[:, None].long(), 1))  # [B, C]
             verified = own.sum(0)                                                      # [C] positions
@@ -539,7 +557,7 @@ class AdaptivePolicy(Policy):
         planned = float((self.base_weights(ctx).cpu() + w * plan_extra).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
-            got = torch.where(take, expect, plan_extra[:, None])                       # [B, C]
+            got = torch.where(take, expect, torch.where(dropped, 0.0, plan_extra[:, None]))  # [B, C]
             keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self._behind_veto(B))
             value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
@@ -554,7 +572,7 @@ class AdaptivePolicy(Policy):
         self._suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
         table_win = torch.cat([torch.zeros(B, 1), by_table.cumsum(1)], 1).gather(1, self._suffix_k[:, None])[:, 0]
         self._suffix_expect = torch.where(take[:, best], table_win, 0.0)               # [B] before recalibration
-        return torch.where(take[:, best], SUFFIX, steps)
+        return torch.where(take[:, best], SUFFIX, torch.where(dropped[:, best], 0, steps))
 
     @property
     def suffix_accept_ratio(self) -> float:

@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--aot-pad", default="off", choices=("on", "off"),
                    help="with --compile aot: pad few-token decode calls where measured faster (EngineConfig.aot_pad, "
                         "default off as the engine's)")
+    p.add_argument("--instances", action="store_true",
+                   help="round r serves its own instance of the scenario: the prompt list rotated by r times the "
+                        "requests per round, seed r for the sampled requests' generators "
+                        "(adapt.bench.interleave.scenario_instance; default: every round the same instance, so "
+                        "rounds replicate the machine's noise and not the scenario's)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]
@@ -131,7 +136,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from adapt.bench.interleave import engine_copies, run_round
+    from adapt.bench.interleave import engine_copies, run_round, scenario_instance
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.cost_model import CostModel
@@ -188,6 +193,7 @@ def main(argv=None) -> int:
         runs = {n: [] for n in names}
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
+            served, seed = scenario_instance(prompts, rnd, len(mix), vary=args.instances)
             # one after another, each policy under its own admission mode on the shared engine; or all side by side
             for group in ([order] if args.interleave else [[n] for n in order]):
                 made = []
@@ -196,7 +202,7 @@ def main(argv=None) -> int:
                     made.append(make(name))
                     engines[n].admission = mode or "all"
                 measured = run_round([engines[n] for n in group], made, Scenario("warm", min(c, 4), mix[:4]),
-                                     Scenario("mix", c, mix), prompts, interleave=args.interleave)
+                                     Scenario("mix", c, mix), served, interleave=args.interleave, seed=seed)
                 for n, policy, m in zip(group, made, measured):
                     runs[n].append(with_stats(policy, m))
         for n in names:
@@ -204,6 +210,7 @@ def main(argv=None) -> int:
             m = ordered[len(ordered) // 2]
             rows.append({"pair": args.pair, "workload": args.workload, "load": c, "policy": n, "compile": args.compile,
                          "length_spread": args.length_spread, "sla_ms": [round(t1, 1), round(4 * t1, 1)],
+                         "instances": args.instances,
                          "admission": n.partition("+")[2] or "all",
                          "settings": variants.get(n, {}), "engine": engine_settings.get(n.partition("+")[0], {}),
                          "goodput_tok_s": round(m["goodput_tok_s"], 1),

@@ -11,6 +11,11 @@ drafting steps by batch size: where drafting steps earn fewer tokens per ms than
 policy drafts where it should not. Settings of the adaptive policy: ``--set key=value``. With
 ``--baseline suffix`` static suffix drafting runs beside it instead of `ar`, and the same summary
 is printed for its steps (stop 51, load 2: `results/policies-smollm2-51/steps-mixed-l2-suffix.json`).
+Each adaptive step also records how many rows were offered a suffix draft and their lengths
+(``suffix_offered``, ``suffix_lengths``), each baseline step its batch size and drafting rows
+(``baseline_steps``): per state (how many rows could copy) the two policies' tokens per ms side by
+side. Warm-up runs are not logged. ``--instances``: round r serves its own instance of the
+scenario (`adapt.bench.interleave.scenario_instance`).
 
     python scripts/step_log.py --load 32 --rounds 1 --sla-ms 39.2 --out /tmp/steps-32.json
 
@@ -55,13 +60,16 @@ def main(argv=None) -> int:
     p.add_argument("--sla-ms", type=float, default=None, help="the tight TPOT target (the loose one is 4x)")
     p.add_argument("--set", action="append", default=[], help="an adaptive setting, key=JSON value")
     p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[1] / "models/smollm2/policy.json"))
+    p.add_argument("--instances", action="store_true",
+                   help="round r serves its own instance of the scenario (adapt.bench.interleave.scenario_instance)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
     import torch
 
     import policies.adaptive as adaptive
-    from adapt.bench.interleave import engine_copies, run_round
+    from adapt.bench.interleave import engine_copies, run_interleaved, scenario_instance
+    from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.policy_file import load
@@ -83,7 +91,10 @@ def main(argv=None) -> int:
             steps = super()._steps(rows, ctx)
             w, late, s = self.weights(ctx).cpu(), ctx["lateness"].cpu(), steps.cpu()
             drafting = s != 0
+            n = getattr(rows, "suffix_len", None)
             log.append({"B": len(rows.request_ids), "diffusion_rows": int((s > 0).sum()), "suffix_rows": int((s < 0).sum()),
+                        "suffix_offered": None if n is None else int((n > 0).sum()),
+                        "suffix_lengths": None if n is None else n.tolist(),
                         "weight_drafting": float(w[drafting].mean()) if drafting.any() else None,
                         "weight_all": float(w.mean()), "lateness_all": float(late.mean()),
                         "lateness_drafting": float(late[drafting].mean()) if drafting.any() else None,
@@ -107,7 +118,7 @@ def main(argv=None) -> int:
         def observe(self, rows, outcome):
             base_log.append({"B": len(rows.request_ids), "ms": 1e3 * outcome.step_time,
                              "positions": int(outcome.num_tokens), "accepted": int(outcome.accepted.sum()),
-                             "verified": int(outcome.verified.sum())})
+                             "verified": int(outcome.verified.sum()), "drafting_rows": int((outcome.verified > 0).sum())})
 
     base_log: list[dict] = []
     engines = engine_copies(engine, 2)
@@ -118,16 +129,18 @@ def main(argv=None) -> int:
         policy.__class__ = Logged  # the same policy, its steps and outcomes logged
         base = make_policy(args.baseline, pf, steps_grid=(1,), width=K)
         base.__class__ = LoggedBaseline
-        start, base_start = len(log), len(base_log)
         pair = [base, policy] if r % 2 == 0 else [policy, base]
-        measured = run_round(engines, pair, Scenario("warm", min(args.load, 4), mix[:4]),
-                             Scenario("mix", args.load, mix), prompts, interleave=True)
+        served, seed = scenario_instance(prompts, r, len(mix), vary=args.instances)
+        for e, pol in zip(engines, pair):  # warm-up runs, their steps not logged
+            run_live(e, pol, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
+        start, base_start = len(log), len(base_log)
+        measured = run_interleaved(engines, pair, Scenario("mix", args.load, mix), served, seed=seed)
         m_base, m_ad = measured if r % 2 == 0 else measured[::-1]
         steps = log[start:]
         rounds.append({args.baseline: {k: m_base[k] for k in ("goodput_tok_s", "sla_attainment")},
                        "baseline_summary": summary(base_log[base_start:]),
                        "adaptive": {k: m_ad.get(k) for k in ("goodput_tok_s", "sla_attainment", "source_share")},
-                       "summary": summary(steps), "steps": steps})
+                       "summary": summary(steps), "steps": steps, "baseline_steps": base_log[base_start:]})
         print(f"round {r}: {args.baseline} {m_base['goodput_tok_s']:.1f} tok/s, SLA {m_base['sla_attainment']:.3f}; adaptive "
               f"{m_ad['goodput_tok_s']:.1f} tok/s, SLA {m_ad['sla_attainment']:.3f}", flush=True)
         for line in rounds[-1]["summary"]:

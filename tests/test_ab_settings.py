@@ -52,9 +52,10 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     out = tmp_path / "ab.json"
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--variant", "novote:suffix_vote=false",
-                           "--threads", "1", "--out", str(out)]) == 0
+                           "--threads", "1", "--instances", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive", "novote"]
+    assert all(r["instances"] is True for r in rows)
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0
         assert [x["goodput_tok_s"] for x in r["rounds"]] == pytest.approx(r["goodput_rounds"], abs=0.051)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from adapt.bench.live import KnobsBaseline, run_live
-from adapt.bench.interleave import StepClock, run_interleaved
+from adapt.bench.interleave import StepClock, run_interleaved, scenario_instance
 from adapt.replay import Scenario, make_mix
 from workers.traces import ListTraceSink
 
@@ -69,3 +69,17 @@ def test_interleaving_needs_one_engine_per_policy():
     engine = _engine()
     with pytest.raises(ValueError, match="one distinct engine per policy"):
         run_interleaved([engine, engine], [KnobsBaseline("ar", draft_len=0)] * 2, Scenario("mix", 1, []), [[5, 6]])
+
+
+def test_each_round_may_serve_its_own_instance_of_the_scenario():
+    """Round 0 serves the prompts and seed as given; round r the prompt list rotated by r times the
+    requests (the next unused prompts first, wrapping around) and seed + r; without ``vary`` every
+    round serves round 0's instance."""
+    prompts = [[i] for i in range(10)]
+    assert scenario_instance(prompts, 0, 4, seed=7) == (prompts, 7)
+    served, seed = scenario_instance(prompts, 1, 4, seed=7)
+    assert [p[0] for p in served] == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3] and seed == 8
+    served, seed = scenario_instance(prompts, 3, 4, seed=7)
+    assert [p[0] for p in served[:4]] == [2, 3, 4, 5] and seed == 10  # 12 mod 10
+    assert scenario_instance(prompts, 2, 4, seed=7, vary=False) == (prompts, 7)
+    assert scenario_instance(None, 2, 4) == (None, 0)  # no tokenizer: no prompt list to rotate

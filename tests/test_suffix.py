@@ -739,3 +739,35 @@ def test_a_copy_that_wins_fewer_tokens_than_the_plan_can_still_pay_by_the_pass_i
     assert choose(6.0, copies_save=True) == ([SUFFIX], [2])
     assert choose(6.0) == ([1], [0])
     assert choose(0.1, copies_save=True) == ([1], [0])
+
+
+def test_a_step_that_copies_may_drop_the_other_rows_diffusion_drafts_to_save_the_drafter_pass():
+    """Two greedy rows both planned to draft by diffusion (0.8 extra tokens each expected, 2
+    positions each); row 0 is offered a confident 6-token copy, row 1 nothing. Row 0 switches to
+    its copy either way; then row 1's diffusion draft alone pays the drafter pass. At 6 ms a pass
+    the step is worth more without it: 6.4 tokens in 14 ms (0.46 / ms) against 7.2 in 20.5
+    (0.35), so with ``copies_drop`` (off by default) row 1 decodes plain, and without it keeps its
+    draft. At 0.1 ms a pass the draft pays for itself and stays either way (7.2 in 14.6 ms)."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import SUFFIX, RowState
+
+    rows = RowState(request_ids=["r0", "r1"], knobs=[DecodeKnobs()] * 2, targets=[None, None],
+                    position=torch.full((2,), 100), generated=torch.full((2,), 10), temperature=torch.zeros(2),
+                    recent_accept=torch.full((2,), -1.0), tvd_spent=torch.zeros(2), remaining=torch.full((2,), 50),
+                    batch_size=2, block_size=16, suffix_len=torch.tensor([6, 0]), suffix_score=torch.tensor([5.0, 0.0]),
+                    suffix_match=torch.tensor([30, 0]), packed_verify=True)
+    steps, extra, toks = torch.tensor([1, 1]), torch.tensor([0.8, 0.8]), torch.tensor([2.0, 2.0])  # the plan
+
+    def choose(per_pass_ms: float, **settings):
+        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
+                                online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
+        ctx = policy._ctx(rows, torch.device("cpu"))
+        out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+        return out.tolist(), policy._suffix_k.tolist()
+
+    assert choose(6.0, copies_drop=True) == ([SUFFIX, 0], [6, 0])
+    assert choose(6.0) == ([SUFFIX, 1], [6, 0])
+    assert choose(0.1, copies_drop=True) == ([SUFFIX, 1], [6, 0])

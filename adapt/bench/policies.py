@@ -105,6 +105,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="live rows of a round side by side: one engine per policy, taking turns step by step, "
                         "each timed by its own clock (adapt/bench/interleave.py)")
+    p.add_argument("--instances", action="store_true",
+                   help="live round r serves its own instance of the scenario: the prompts rotated by r times the "
+                        "requests, seed + r for sampled requests (adapt.bench.interleave.scenario_instance); default: "
+                        "every round the same instance")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -376,7 +380,7 @@ def run(args) -> int:
     from adapt.policy_file import load, save
     from adapt.replay import RecordPool, Scenario, make_mix, replay
     from adapt.trace_data import TraceTable, read_records
-    from adapt.bench.interleave import engine_copies, run_round
+    from adapt.bench.interleave import engine_copies, run_round, scenario_instance
     from adapt.bench.live import collect_traces, run_live
     from adapt.commands.policy import fit_policy
 
@@ -532,8 +536,9 @@ def run(args) -> int:
                 n = len(live_policies)
                 for rnd in range(cfg["rounds"]):
                     order = live_policies[rnd % n:] + live_policies[:rnd % n]
+                    served, seed = scenario_instance(prompts[w], rnd, len(mix), args.seed, vary=args.instances)
                     measured = run_round([engines[name] for name in order], [make(name) for name in order], warm,
-                                         Scenario("mix", c, mix), prompts[w], interleave=args.interleave, seed=args.seed)
+                                         Scenario("mix", c, mix), served, interleave=args.interleave, seed=seed)
                     for name, m in zip(order, measured):
                         runs[name].append(m)
                 for name in live_policies:
