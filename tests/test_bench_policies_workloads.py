@@ -182,15 +182,17 @@ def test_bench_policies_live_with_ar_suffix_and_best_static(tiny, tmp_path):
 
 def test_bench_policies_interleaved_live_rows(tiny, tmp_path):
     """``--interleave``: each policy's live rows run on an engine of its own, side by side with the
-    others, and come out as the rows of a run made one policy after another do."""
+    others, and come out as the rows of a run made one policy after another do (here with
+    ``--instances``: each round serves its own instance of the scenario)."""
     out = tmp_path / "bench"
     assert cli_main(["bench", "policies", "--target", str(tiny[0]), "--drafter", str(tiny[1]), "--quick",
                      "--workload", "edit", "--live-loads", "2", "--replay-loads", "1", "--rounds", "2",
                      "--trace-requests", "4", "--requests", "8", "--max-tokens", "8", "--cost", "traces",
-                     "--threads", "1", "--interleave", "--out", str(out)]) == 0
+                     "--threads", "1", "--interleave", "--instances", "--out", str(out)]) == 0
     rows = json.loads((out / "policies.json").read_text())
     live = {r["policy"]: r for r in rows if r["mode"] == "live"}
     assert set(live) == set(BASELINES) | {"adaptive"}
+    assert all(r["instances"] is True for r in live.values())  # each round its own scenario instance
     for r in live.values():
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0 and r["requests"] == len(r["per_request"])
     assert live["ar"]["tau"] == 1.0 and live["ar"]["source_share"]["none"] == 1.0

@@ -546,7 +546,8 @@ def run(args) -> int:
                     m = dict(ms[len(ms) // 2])
                     m["goodput_rounds"] = [round(r["goodput_tok_s"], 1) for r in runs[name]]
                     m["sla_attainment"] = statistics.mean(r["sla_attainment"] for r in runs[name])
-                    rows.append({"policy": name, "concurrency": c, "mode": "live", "workload": w, "pair": kind, **m})
+                    rows.append({"policy": name, "concurrency": c, "mode": "live", "workload": w, "pair": kind,
+                                 "instances": args.instances, **m})
                 log(f"live {w} c={c}: " + ", ".join(f"{r['policy']} {r['goodput_tok_s']:.0f}"
                                                      for r in rows[-len(live_policies):]))
     for r in rows:
