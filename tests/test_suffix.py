@@ -707,6 +707,22 @@ def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
     assert policy._reachable(free, ctx, torch.tensor([0.0, 0.0]), 2).tolist() == [True, False]
 
 
+def _take_suffix_with(rows, steps, extra, toks, per_pass_ms: float, **settings):
+    """The adaptive policy's suffix choice over the plan (steps, extra tokens, verified positions
+    per row) on a linear cost model (10 ms a step, 0.5 ms a position, ``per_pass_ms`` a drafter
+    pass), without online learning: (steps chosen, suffix draft lengths)."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+
+    policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
+                            online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
+    ctx = policy._ctx(rows, torch.device("cpu"))
+    out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+    return out.tolist(), policy._suffix_k.tolist()
+
+
 def test_a_copy_that_wins_fewer_tokens_than_the_plan_can_still_pay_by_the_pass_it_saves():
     """One greedy row planned to draft by diffusion (1.5 extra tokens expected, 3 positions, a
     6 ms drafter pass) is offered a 2-token copy expected to win 1.1 tokens: fewer, but the
@@ -716,8 +732,6 @@ def test_a_copy_that_wins_fewer_tokens_than_the_plan_can_still_pay_by_the_pass_i
     too little (a 0.1 ms pass) is declined either way."""
     import torch
 
-    from policies.adaptive import AdaptivePolicy
-    from policies.defaults import LinearCost
     from workers.decisions import SUFFIX, RowState
 
     rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
@@ -728,11 +742,7 @@ def test_a_copy_that_wins_fewer_tokens_than_the_plan_can_still_pay_by_the_pass_i
     steps, extra, toks = torch.tensor([1]), torch.tensor([1.5]), torch.tensor([3.0])  # the plan: one diffusion pass
 
     def choose(per_pass_ms: float, **settings):
-        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
-                                online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
-        ctx = policy._ctx(rows, torch.device("cpu"))
-        out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
-        return out.tolist(), policy._suffix_k.tolist()
+        return _take_suffix_with(rows, steps, extra, toks, per_pass_ms, **settings)
 
     win = float(torch.cumprod(torch.full((2,), 6 / 9), 0).sum())  # the built-in m / (m + 3) law at match 6
     assert 1.0 < win < 1.5  # fewer than the plan's 1.5
@@ -750,8 +760,6 @@ def test_a_step_that_copies_may_drop_the_other_rows_diffusion_drafts_to_save_the
     draft. At 0.1 ms a pass the draft pays for itself and stays either way (7.2 in 14.6 ms)."""
     import torch
 
-    from policies.adaptive import AdaptivePolicy
-    from policies.defaults import LinearCost
     from workers.decisions import SUFFIX, RowState
 
     rows = RowState(request_ids=["r0", "r1"], knobs=[DecodeKnobs()] * 2, targets=[None, None],
@@ -762,11 +770,7 @@ def test_a_step_that_copies_may_drop_the_other_rows_diffusion_drafts_to_save_the
     steps, extra, toks = torch.tensor([1, 1]), torch.tensor([0.8, 0.8]), torch.tensor([2.0, 2.0])  # the plan
 
     def choose(per_pass_ms: float, **settings):
-        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
-                                online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
-        ctx = policy._ctx(rows, torch.device("cpu"))
-        out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
-        return out.tolist(), policy._suffix_k.tolist()
+        return _take_suffix_with(rows, steps, extra, toks, per_pass_ms, **settings)
 
     assert choose(6.0, copies_drop=True) == ([SUFFIX, 0], [6, 0])
     assert choose(6.0) == ([SUFFIX, 1], [6, 0])
