@@ -528,15 +528,18 @@ class AdaptivePolicy(Policy):
         plan_extra = extra.clamp(min=0).nan_to_num(posinf=0.0)                          # [B] the plan's extra tokens
         diffusing = steps > 0
         stay = diffusing[:, None] & ~take                                              # [B, C] keeps its diffusion draft
-        dropped = torch.zeros_like(stay)                                               # [B, C] plan dropped: plain
+        dropped = None                                                                 # [B, C] plan dropped: plain
         if self.copies_drop:  # each choice of copies again with the rest of the plan dropped (no drafter pass)
             twins = (take.any(0) & stay.any(0)).nonzero().squeeze(1)                   # [C2] candidates
             if twins.numel():
                 k, take, expect, over = (torch.cat([t, t[:, twins]], 1) for t in (k, take, expect, over))
-                dropped = torch.cat([dropped, stay[:, twins]], 1)
+                dropped = torch.cat([torch.zeros_like(stay), stay[:, twins]], 1)
                 stay = torch.cat([stay, torch.zeros_like(stay[:, twins])], 1)
         gain = torch.where(take, w[:, None] * over, 0.0)                               # [B, C] (< 0: fewer tokens)
-        gain = gain - torch.where(dropped, w[:, None] * plan_extra[:, None], 0.0)      # a dropped row's plan is lost
+        kept_extra = plan_extra[:, None]                                               # [B, C] the plan's extra tokens kept
+        if dropped is not None:  # a dropped row's plan is lost
+            gain = gain - torch.where(dropped, w[:, None] * plan_extra[:, None], 0.0)
+            kept_extra = torch.where(dropped, 0.0, kept_extra)
         if packed:  # each row costs its own positions
             own = torch.where(take, 1 + k, torch.where(stay, toks[:, None].long(), 1))  # [B, C]
             verified = own.sum(0)                                                      # [C] positions
@@ -557,7 +560,7 @@ class AdaptivePolicy(Policy):
         planned = float((self.base_weights(ctx).cpu() + w * plan_extra).sum())
         value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
         if self.sla_guard:
-            got = torch.where(take, expect, torch.where(dropped, 0.0, plan_extra[:, None]))  # [B, C]
+            got = torch.where(take, expect, kept_extra)                                # [B, C]
             keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, self.sla_slack, self._behind_veto(B))
             value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
@@ -572,7 +575,9 @@ class AdaptivePolicy(Policy):
         self._suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
         table_win = torch.cat([torch.zeros(B, 1), by_table.cumsum(1)], 1).gather(1, self._suffix_k[:, None])[:, 0]
         self._suffix_expect = torch.where(take[:, best], table_win, 0.0)               # [B] before recalibration
-        return torch.where(take[:, best], SUFFIX, torch.where(dropped[:, best], 0, steps))
+        if dropped is not None:
+            steps = torch.where(dropped[:, best], 0, steps)
+        return torch.where(take[:, best], SUFFIX, steps)
 
     @property
     def suffix_accept_ratio(self) -> float:
