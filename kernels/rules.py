@@ -87,7 +87,7 @@ def exact_rules(temperature, conditional):
     return torch.where(temperature <= 0, int(Rule.GREEDY), sampled_rule).to(torch.int32)
 
 
-def enforce_rules(rule, param, param2, temperature, lossless, conditional, point_mass=None):
+def enforce_rules(rule, param, param2, temperature, lossless, conditional, point_mass=None, exact=None):
     """The rule each row really verifies with, whatever a decision maker asked: the one function
     the engine and the replay evaluator apply (tensors [B] on one device). Returns (rule int32,
     param, param2), with parameters 0 where the rule was replaced.
@@ -97,17 +97,32 @@ def enforce_rules(rule, param, param2, temperature, lossless, conditional, point
     - REJECTION where q are not true conditionals (`conditional` False): MATCH;
     - lossless rows: any lossy rule becomes the exact rule;
     - point-mass drafts (`point_mass` True: suffix drafts, q = 1 at the token): the exact rule
-      (a lenient rule would need q)."""
+      (a lenient rule would need q).
+    ``exact``: `exact_rules` of these rows where the caller has it already."""
     import torch
 
-    exact = exact_rules(temperature, conditional)
+    if exact is None:
+        exact = exact_rules(temperature, conditional)
     rule = rule.to(torch.int32)
     rule = torch.where(rule == int(Rule.GREEDY), exact, rule)
     rule = torch.where((rule == int(Rule.REJECTION)) & ~conditional, int(Rule.MATCH), rule).to(torch.int32)
-    is_exact = torch.isin(rule, torch.tensor(sorted(EXACT_RULES), dtype=torch.int32, device=rule.device))
+    is_exact = torch.isin(rule, _exact_ids(rule.device))
     forced = (lossless & ~is_exact) | (temperature <= 0)
     if point_mass is not None:
         forced = forced | point_mass
     rule = torch.where(forced, exact, rule)
     zero = torch.zeros_like(param, dtype=torch.float32)
     return rule, torch.where(forced, zero, param.float()), torch.where(forced, zero, param2.float())
+
+
+_EXACT_IDS: dict = {}
+
+
+def _exact_ids(device):
+    """The exact rules' ids as an int32 tensor on ``device``, made once per device."""
+    import torch
+
+    key = str(device)
+    if key not in _EXACT_IDS:
+        _EXACT_IDS[key] = torch.tensor(sorted(EXACT_RULES), dtype=torch.int32, device=device)
+    return _EXACT_IDS[key]

@@ -60,13 +60,17 @@ class DraftProbs:
 
 
 def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_probs, draft_probs,
-                         sample_u, noise_rows, layout: RaggedLayout, max_k: int):
+                         sample_u, noise_rows, layout: RaggedLayout, max_k: int, rules: list[int] | None = None):
     """(accept [R] bool, token [R] int64, tvd [R] f32) as `positions_reference`, except that
     `token` is set only at each request's stop row (0 elsewhere): all that `_assemble` reads.
     `draft_probs`: a `DraftProbs`, or None when no row has drafts under a rule that reads q.
-    Reads no tensor value into Python (on a GPU, the index selections would sync as the
-    reference's do)."""
+    `rules`: the rule values the batch's rows use, as the host knows them (None: read from `rule`,
+    one host read); only those are swept, and where there is one, over every row without
+    selecting them. Reads no other tensor value into Python (on a GPU, the index selections would
+    sync as the reference's do)."""
     R = target_probs.shape[0]
+    present = [Rule(r) for r in sorted(set(rule.unique().tolist() if rules is None else rules))]
+    every = torch.arange(R, device=target_probs.device) if len(present) == 1 else None  # [R] the one rule's rows
     dev = target_probs.device
     accept, token, tvd, is_draft, u_all = per_row_outputs(draft_idx, uniforms, target_probs)
     x_all = tok.clamp_min(0)                                             # [R] (0 at bonus rows)
@@ -83,10 +87,8 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
             return torch.zeros(rows.shape[0], target_probs.shape[1], device=dev)
         return torch.where(draft[:, None], draft_probs.rows(draft_idx[rows].clamp_min(0)), 0.0)
 
-    for rid in Rule:                                                     # 1. accept and TVD, every row
-        rows = (rule == rid).nonzero().squeeze(-1)                       # [n] target rows
-        if rows.numel() == 0:
-            continue
+    for rid in present:                                                  # 1. accept and TVD, every row
+        rows = every if every is not None else (rule == rid).nonzero().squeeze(-1)  # [n] target rows
         draft = is_draft[rows]
         p = target_probs if rows.numel() == R else target_probs.index_select(0, rows)  # [n, V]
         wide = rid in READS_Q_ROWS and (rid != Rule.TYPICAL or draft_probs is not None)
@@ -110,11 +112,11 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
     trow = (first[:, None] + j).clamp_max(R - 1)                         # [B, K]
     acc = accept[trow] & (j[None] < k[:, None])                          # [B, K]
     stop = first + (acc.to(torch.int32).cumprod(1).sum(1) if max_k else 0)  # [B] stop row
-    stop_rule = rule[stop]
-    for rid in Rule:                                                     # 3. the token at the stop rows
+    stop_rule = rule[stop] if every is None else None
+    for rid in present:                                                  # 3. the token at the stop rows
         if rid == Rule.GREEDY:
             continue
-        rows = stop[stop_rule == rid]                                    # [m]
+        rows = stop if every is not None else stop[stop_rule == rid]    # [m]
         if rows.numel() == 0:
             continue
         draft = is_draft[rows]

@@ -58,13 +58,16 @@ def verify(
     check: bool = True,
     backend: str = "auto",
     draft_ids: torch.Tensor | None = None,  # [Vd] int64 target ids of draft_probs' columns
+    rules: list[int] | None = None,  # the values of `rule`, as the host knows them (stop-first only)
 ) -> VerifyOutput:
     """Verify the drafts of a ragged batch; see the module docstring and docs/contracts.md §2.
 
     `sample_u`: the uniform at which a target row's emitted token is drawn (inverse CDF,
     `kernels.reference.inverse_cdf`); `noise_rows` lets target rows share them (`kernels.noise`:
     one per request); None: target row i reads `sample_u[i]`. `layout`: the batch's `RaggedLayout` when the caller
-    built it (it must match `cu_num_draft`); else built here. `draft_ids`: `draft_probs` is then
+    built it (it must match `cu_num_draft`); else built here. `rules`: the rule values the rows
+    use where the caller has them on the host (the stop-first backend then sweeps only those
+    without reading `rule`). `draft_ids`: `draft_probs` is then
     [N, Vd] over the drafter's vocabulary, these target ids (q = 0 elsewhere). `check=True`
     validates values (ids, parameters, offsets, noise rows) at the cost of one host sync; shapes
     and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
@@ -97,7 +100,7 @@ def verify(
 
         q = None if draft_probs is None else DraftProbs(draft_probs, draft_ids, target_probs.shape[1])
         accept, token, tvd = positions_stop_first(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
-                                                  target_probs, q, sample_u, noise_rows, layout, max_k)
+                                                  target_probs, q, sample_u, noise_rows, layout, max_k, rules)
         return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
     if backend == "triton":
         from kernels.triton_verify import positions_triton as positions

@@ -203,6 +203,7 @@ class AdaptivePolicy(Policy):
         # default) both by the residual of every drafting step ("draft")
         self.overhead_by_source = bool(overhead_by_source)
         self._batch = 1  # rows of the latest step observed
+        self._source_of = None  # (outcome, its `_step_source`) of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
         # per (plan | wide, batch bucket): [steps, Σ predicted ms, Σ measured ms] of suffix choices
         self.suffix_calibration: dict[tuple[str, int], list[float]] = {}
@@ -515,6 +516,8 @@ class AdaptivePolicy(Policy):
         slot = (by_table * self.suffix_row_ratio(ctx)[:, None]).clamp(max=1.0)         # recalibrated online
         win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
         packed = bool(getattr(rows, "packed_verify", False))
+        if not self._copy_may_win(w, win, extra):  # every candidate is the plan: the same answer, fewer operations
+            return self._keep_plan(steps, toks, packed)
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
         expect = win.gather(1, k)                                                      # [B, C] expected accepted
         over = expect - extra.clamp(min=0)[:, None]                                    # [B, C] (inf plan: -inf)
@@ -578,6 +581,30 @@ class AdaptivePolicy(Policy):
         if dropped is not None:
             steps = torch.where(dropped[:, best], 0, steps)
         return torch.where(take[:, best], SUFFIX, steps)
+
+    def _copy_may_win(self, w: torch.Tensor, win: torch.Tensor, extra: torch.Tensor) -> bool:
+        """Whether some candidate of `_take_suffix` may take a suffix draft: a row whose whole
+        copy (``win`` [B, Ks + 1], its last column) is expected to win more than its plan's extra
+        tokens (``extra`` [B]) and whose tokens count (``w`` [B] > 0); always with ``copies_save``
+        (a copy that wins fewer tokens may be taken)."""
+        return self.copies_save or bool(((w > 0) & (win[:, -1] > extra.clamp(min=0))).any())
+
+    def _keep_plan(self, steps: torch.Tensor, toks: torch.Tensor, packed: bool) -> torch.Tensor:
+        """`_take_suffix`'s answer where no row takes its suffix draft: the plan ``steps`` [B],
+        with the plan's predicted step (its candidate column 0) kept for the cost correction."""
+        B = steps.shape[0]
+        diffusing = steps > 0                                                          # [B]
+        if packed:
+            verified = torch.where(diffusing, toks.long(), 1).sum()[None]              # [1] positions
+        else:
+            verified = B * (((toks * diffusing).amax() - 1).clamp_min(0).long() + 1)[None]  # [1] positions
+        top = int(steps.max()) if bool(diffusing.any()) else 0
+        rpp = ((steps * diffusing)[:, None] >= torch.arange(1, top + 1)).sum(0)[None]  # [1, top] rows per pass
+        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [1]
+        ms = raw * self.suffix_cost_ratio["plan"]
+        self._suffix_k = torch.zeros(B, dtype=torch.int64)
+        self._suffix_pred = (float(raw[0]), False, 0.0, float(ms[0]))
+        return steps
 
     @property
     def suffix_accept_ratio(self) -> float:
@@ -721,10 +748,16 @@ class AdaptivePolicy(Policy):
     def _step_source(self, outcome) -> str:
         """What kind of step ``outcome`` was: "plain" (no drafts verified), "suffix" (only suffix
         drafts: the decision had no diffusion row) or "diffusion"."""
-        if not verified_drafts(outcome):
-            return "plain"
+        known = self._source_of
+        if known is not None and known[0] is outcome:  # asked twice per step (`_table_ms`, `observe`)
+            return known[1]
         steps = self.last_steps
-        return "suffix" if steps is not None and not bool((steps > 0).any()) else "diffusion"
+        if not verified_drafts(outcome):
+            source = "plain"
+        else:
+            source = "suffix" if steps is not None and not bool((steps > 0).any()) else "diffusion"
+        self._source_of = (outcome, source)
+        return source
 
     def _table_ms(self, outcome, step_ms: float) -> float:
         """A step that verified drafts teaches the cost tables its time less `draft_overhead_at`
@@ -988,8 +1021,10 @@ def batch_bucket(batch: int) -> int:
 
 
 def verified_drafts(outcome) -> bool:
-    """Whether some row verified drafts in the step of `outcome` (it took the drafting path)."""
-    return bool((torch.as_tensor(outcome.verified) > 0).any())
+    """Whether some row verified drafts in the step of `outcome` (it took the drafting path): the
+    engine's host answer where the outcome carries it (``any_verified``), else read from the tensor."""
+    known = getattr(outcome, "any_verified", None)
+    return bool((torch.as_tensor(outcome.verified) > 0).any()) if known is None else known
 
 
 def planned_extra(gain: torch.Tensor, w_base: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

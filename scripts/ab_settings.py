@@ -114,11 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--aot-pad", default="off", choices=("on", "off"),
                    help="with --compile aot: pad few-token decode calls where measured faster (EngineConfig.aot_pad, "
                         "default off as the engine's)")
-    p.add_argument("--instances", action="store_true",
+    p.add_argument("--instances", action=argparse.BooleanOptionalAction, default=True,
                    help="round r serves its own instance of the scenario: the prompt list rotated by r times the "
                         "requests per round, seed r for the sampled requests' generators "
-                        "(adapt.bench.interleave.scenario_instance; default: every round the same instance, so "
-                        "rounds replicate the machine's noise and not the scenario's)")
+                        "(adapt.bench.interleave.scenario_instance; on by default since stop 53; --no-instances: every "
+                        "round the same instance, so rounds replicate the machine's noise and not the scenario's)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]

@@ -52,10 +52,10 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
     out = tmp_path / "ab.json"
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--variant", "novote:suffix_vote=false",
-                           "--threads", "1", "--instances", "--out", str(out)]) == 0
+                           "--threads", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["ar", "suffix", "adaptive", "novote"]
-    assert all(r["instances"] is True for r in rows)
+    assert all(r["instances"] is True for r in rows)  # each round its own instance, by default
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0
         assert [x["goodput_tok_s"] for x in r["rounds"]] == pytest.approx(r["goodput_rounds"], abs=0.051)
@@ -79,8 +79,9 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
                            "--sla-ms", "40", "--static", "ar,suffix,static-4", "--out", str(out),
-                           "--variant", "nopack:engine.pack=false,hold_max=0"]) == 0
+                           "--variant", "nopack:engine.pack=false,hold_max=0", "--no-instances"]) == 0
     rows = json.loads(out.read_text())
+    assert all(r["instances"] is False for r in rows)  # every round the same instance
     assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "adaptive", "nopack"]
     # a variant's engine.FIELD keys configure its own engine; the rest are the policy's settings
     assert rows[4]["engine"] == {"pack": False} and rows[4]["settings"] == {"hold_max": 0}

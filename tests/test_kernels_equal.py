@@ -39,11 +39,16 @@ def rule_tensors(rules):
 
 
 def both(x, cu, p, q, rule, prm, prm2, u, s, max_k, noise_rows=None):
-    """The three backends on one batch: Triton (interpreted) and stop-first against the reference."""
+    """The three backends on one batch: Triton (interpreted) and stop-first (reading the rules
+    from the tensor, and given them from the host) against the reference."""
     ref = verify(x, cu, p, q, rule, prm, prm2, u, s, max_k, noise_rows=noise_rows, backend="torch")
     tri = verify(x, cu, p, q, rule, prm, prm2, u, s, max_k, noise_rows=noise_rows, backend="triton")
     first = verify(x, cu, p, q, rule, prm, prm2, u, s, max_k, noise_rows=noise_rows, backend="stop_first")
-    for out in (tri, first):
+    # the engine's call: the rules present handed over from the host (one sweep over every row
+    # where a single rule is present)
+    hosted = verify(x, cu, p, q, rule, prm, prm2, u, s, max_k, noise_rows=noise_rows, backend="stop_first",
+                    rules=rule.tolist())
+    for out in (tri, first, hosted):
         assert torch.equal(ref.tokens, out.tokens)
         assert torch.equal(ref.num_accepted, out.num_accepted)
         torch.testing.assert_close(ref.tvd_spent, out.tvd_spent, atol=2e-6, rtol=1e-5)

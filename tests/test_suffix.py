@@ -775,3 +775,52 @@ def test_a_step_that_copies_may_drop_the_other_rows_diffusion_drafts_to_save_the
     assert choose(6.0, copies_drop=True) == ([SUFFIX, 0], [6, 0])
     assert choose(6.0) == ([SUFFIX, 1], [6, 0])
     assert choose(0.1, copies_drop=True) == ([SUFFIX, 1], [6, 0])
+
+
+def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_plan():
+    """Where no row's whole copy is expected to win more than its plan (`_copy_may_win` false),
+    `_take_suffix` answers from the plan alone (`_keep_plan`, a few operations instead of the
+    candidates' ~80): the same steps, no suffix drafts and the same predicted step (for the cost
+    correction) as the full choice gives, over random batches, padded and packed."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.defaults import LinearCost
+    from workers.decisions import RowState
+
+    class Full(AdaptivePolicy):
+        def _copy_may_win(self, w, win, extra):
+            return True
+
+    kept = []
+
+    class Quick(AdaptivePolicy):
+        def _keep_plan(self, steps, toks, packed):
+            kept.append(1)
+            return super()._keep_plan(steps, toks, packed)
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        B = int(torch.randint(1, 5, (1,), generator=gen))
+        n = torch.randint(0, 5, (B,), generator=gen)
+        n[0] = max(int(n[0]), 1)
+        rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
+                        position=torch.full((B,), 100), generated=torch.full((B,), 10),
+                        temperature=(torch.rand(B, generator=gen) > 0.5).float(), recent_accept=torch.full((B,), -1.0),
+                        tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
+                        suffix_len=n, suffix_score=torch.ones(B), suffix_match=torch.randint(1, 12, (B,), generator=gen),
+                        packed_verify=bool(trial % 2))
+        steps = torch.randint(0, 3, (B,), generator=gen)
+        extra = torch.where(steps > 0, 4.0 * torch.rand(B, generator=gen), torch.zeros(B))
+        toks = torch.where(steps > 0, torch.randint(2, 8, (B,), generator=gen).float(), torch.ones(B))
+        answers = []
+        for cls in (Quick, Full):
+            policy = cls(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=3.0, per_row_ms=0.2),
+                         online_cost=False, hold_max=0, suffix_recalibrate=False)
+            ctx = policy._ctx(rows, torch.device("cpu"))
+            out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+            answers.append((out.tolist(), policy._suffix_k.tolist(), policy._suffix_pred))
+        quick, full = answers
+        assert quick[:2] == full[:2]
+        assert quick[2][:3] == full[2][:3] and abs(quick[2][3] - full[2][3]) < 1e-9, (quick, full)
+    assert len(kept) > 50  # the quick path ran on many of them

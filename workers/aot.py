@@ -300,6 +300,7 @@ class AotDraftPass:
         self.loader = runner.loader
         self.out_spec = torch.utils._pytree.treespec_loads(self.loader.get_call_spec()[1])
         self.calls = 0
+        self._kv_rows: dict[int, list[torch.Tensor]] = {}  # rows -> views of the cache's first rows
 
     def fits(self, rows: int, block: int, window: int) -> bool:
         return rows <= self.max_batch and MIN_BLOCK <= block <= self.qmax and block < window < self.length
@@ -307,7 +308,10 @@ class AotDraftPass:
     def __call__(self, tokens, masked, mask, cos, sin):
         self.calls += 1
         B = tokens.shape[0]
-        flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *(t[:B] for t in self.kv)])
+        kv = self._kv_rows.get(B)
+        if kv is None:  # made once per batch size: slicing every layer's K and V per call costs ops
+            kv = self._kv_rows[B] = [t[:B] for t in self.kv]
+        flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *kv])
         return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
 
 

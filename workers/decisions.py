@@ -138,13 +138,15 @@ class VerifyDecision:
 @dataclass(frozen=True)
 class StepOutcome:
     """What a step did: accepted drafts, verified drafts (k), TVD added, per row; wall time of the
-    step and the number of token positions in the target forward."""
+    step and the number of token positions in the target forward; ``any_verified``: whether some
+    row verified drafts, as the host knows it (None: read it from ``verified``)."""
 
     accepted: torch.Tensor  # [B] int64
     verified: torch.Tensor  # [B] int64
     tvd: torch.Tensor       # [B] float32
     step_time: float
     num_tokens: int
+    any_verified: bool | None = None
 
 
 class DecisionMaker(Protocol):

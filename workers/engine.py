@@ -510,7 +510,8 @@ class Engine:
         k = torch.minimum(dec.draft_len.to(at).clamp(min=0), longest)
         k = torch.minimum(k, rows.remaining.to(at) - 1)
         rule, param, param2 = enforce_rules(dec.rule.to(at), dec.param.to(at), dec.param2.to(at), rows.temperature.to(at),
-                                            batch.lossless.to(at), batch.conditional.to(at), steps == SUFFIX)
+                                            batch.lossless.to(at), batch.conditional.to(at), steps == SUFFIX,
+                                            batch.exact_rule.to(at))
         k_host, rule_host, p1_host, p2_host = torch.stack([k.double(), rule.double(), param.double(), param2.double()]).tolist()
         k_host, rule_host = [int(x) for x in k_host], [int(x) for x in rule_host]
         dev = self.device
@@ -640,7 +641,8 @@ class Engine:
         if tracing:
             self.trace_sink.write(records)
         self.decisions.observe(batch.rows, StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len_host),
-                                                       torch.tensor(result.tvd), times[2] - times[0], positions))
+                                                       torch.tensor(result.tvd), times[2] - times[0], positions,
+                                                       any_verified=any(plan.draft_len_host)))
         self.step_count += 1
         self._release(done)
         return outputs

@@ -136,7 +136,7 @@ class Verifier:
             q_flat = q_flat.contiguous()
         return verify(draft_flat, lay.cu, p_flat, q_flat, plan.rule, plan.param, plan.param2, noise.uniforms,
                       noise.sample_u, kmax, noise_rows=noise.noise_rows, layout=lay, check=False,
-                      draft_ids=q_ids if q_flat is not None else None)
+                      draft_ids=q_ids if q_flat is not None else None, rules=plan.rule_host)
 
     @staticmethod
     def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,

@@ -1,0 +1,192 @@
+"""How many torch operations a decode step runs on the host, per phase of the step and per line.
+
+On this CPU a step's host time (everything but the target's and the drafter's compiled programs)
+is about proportional to the small torch operations it runs: right after a model-sized forward
+each costs ~5 µs instead of ~2 in a loop (`scripts/decision_cold.py`), and a faster operation saves
+little of that; running fewer of them is what shortens the step. This script serves one live run
+of the mixed workload (the `scripts/ab_settings.py` scenario) with one policy, counts every
+operation dispatched during its decode steps (a `TorchDispatchMode`; views and `.item()` count
+too) and attributes it to the phase of the step it ran in (the decision maker's calls, drafting,
+verification and its host read, the row state, the step batch, the rest of the step) and, with
+``--lines``, to the line of our code that called it. Printed and written to ``--out``: operations
+per decode step by phase, and the top lines. Counting slows the run, so its timings are not
+reported; time a change with `scripts/ab_settings.py`. The engine reads a clock that advances
+``--tick-ms`` per reading instead of the wall clock, and the policy prices steps by its policy
+file's cost tables rather than a start-up profile (``--profile``), so that the run's decisions
+(which read step times, lateness and costs) do not depend on the machine or on the counting's own
+slowness: two versions of the code count the same steps. Example (stop 53):
+
+    python scripts/host_ops.py --pair smollm2 --policy adaptive --load 1 --lines 40 --out results/host-ops-53/adaptive-l1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (attribute path on the engine, method, phase): the calls whose operations each phase counts
+PHASES = (
+    ("decisions", "choose_steps", "decide.choose_steps"),
+    ("decisions", "choose_verify", "decide.choose_verify"),
+    ("decisions", "observe", "decide.observe"),
+    ("verifier", "verify", "verify"),
+    ("verifier", "commit", "verify.commit"),
+    ("verifier", "sample_next", "verify.sample_next"),
+    ("drafting", "draft", "draft"),
+    ("drafting", "stash", "draft.context"),
+    ("drafting", "flush", "draft.context"),
+    ("", "_row_state", "row_state"),
+    ("", "_batch", "step_batch"),
+    ("", "_conclude", "conclude"),
+    ("", "target_forward", "target_forward"),
+)
+
+
+class OpCounter:
+    """Counts the torch operations dispatched while it is entered, by the phase set by `wrap`ped
+    calls (``"step"`` outside them) and, with ``lines``, by the line of our code that ran them."""
+
+    def __init__(self, lines: bool):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.phase = "step"
+        self.by_phase: collections.Counter = collections.Counter()
+        self.by_line: collections.Counter = collections.Counter()
+        self.lines = lines
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count()
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def count(self) -> None:
+        self.by_phase[self.phase] += 1
+        if self.lines:
+            frame = sys._getframe(2)
+            while frame is not None and (not frame.f_code.co_filename.startswith(str(ROOT))
+                                         or "/.venv/" in frame.f_code.co_filename):
+                frame = frame.f_back
+            if frame is not None:
+                path = Path(frame.f_code.co_filename).relative_to(ROOT)
+                self.by_line[f"{self.phase} {path}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        """Count the operations of ``obj.name``'s calls under ``phase``."""
+        original = getattr(obj, name)
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            outer, self.phase = self.phase, phase
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.phase = outer
+
+        setattr(obj, name, counted)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--policy", default="adaptive", help="adaptive, or a baseline of `adapt bench policies` (ar, suffix, ...)")
+    p.add_argument("--load", type=int, default=1)
+    p.add_argument("--requests", type=int, default=12, help="requests served while counting")
+    p.add_argument("--instance", type=int, default=0, help="the scenario instance (adapt.bench.interleave.scenario_instance)")
+    p.add_argument("--compile", default="aot", choices=("off", "aot"))
+    p.add_argument("--profile", action="store_true",
+                   help="price steps by a start-up profile of the engine (as the benchmarks do; the counts then vary run to run)")
+    p.add_argument("--tick-ms", type=float, default=5.0, help="what the engine's clock advances per reading")
+    p.add_argument("--lines", type=int, default=0, help="print the top N lines of our code by operations")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from adapt.bench.interleave import scenario_instance
+    from adapt.bench.live import run_live
+    from adapt.bench.policies import make_policy, workload_engine
+    from adapt.controller import build_policy, profile_engine
+    from adapt.policy_file import load
+    from adapt.replay import Scenario, make_mix
+
+    torch.set_num_threads(2)
+    engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
+    engine.clock = TickClock(args.tick_ms / 1e3)
+    pf = load(str(ROOT / "models" / args.pair / "policy.json"))
+    if args.profile:  # the machine's step costs now (else the policy file's: a repeatable run)
+        pf.cost = profile_engine(engine)
+    K = engine.block
+    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    mix = make_mix(max(24, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
+    grid = tuple(pf.settings.get("steps_grid", (1,)))
+    policy = (build_policy("adaptive", pf, steps_grid=grid) if args.policy == "adaptive"
+              else make_policy(args.policy, pf, steps_grid=(1,), width=K))
+    served, seed = scenario_instance(prompts, args.instance, len(mix))
+    run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
+
+    counter = OpCounter(lines=args.lines > 0)
+    for owner, name, phase in PHASES:
+        obj = getattr(engine, owner) if owner else engine
+        if obj is not None and hasattr(obj, name):
+            counter.wrap(obj, name, phase)
+    steps = [0]
+    decode = engine._decode
+
+    def counted_decode(*a, **kw):
+        steps[0] += 1
+        return decode(*a, **kw)
+
+    engine._decode = counted_decode
+    prefill = engine._prefill
+    engine._prefill = lambda *a, **kw: _uncounted(counter, prefill, *a, **kw)
+    with counter.mode:
+        run_live(engine, policy, Scenario("mix", args.load, mix[: args.requests]), served, seed=seed)
+    n = max(steps[0], 1)
+    per_phase = {k: round(v / n, 1) for k, v in counter.by_phase.most_common() if k != "prefill"}
+    host = sum(v for k, v in per_phase.items() if k != "target_forward")
+    print(f"{args.policy} at load {args.load}: {n} decode steps, {host:.0f} host operations per step")
+    for k, v in per_phase.items():
+        print(f"  {k:22s} {v:7.1f}")
+    top = [(round(v / n, 2), k) for k, v in counter.by_line.most_common(args.lines)]
+    for v, k in top:
+        print(f"  {v:6.2f}  {k}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"policy": args.policy, "load": args.load, "pair": args.pair,
+                                              "decode_steps": n, "host_ops_per_step": round(host, 1),
+                                              "ops_per_step": per_phase, "top_lines": top}, indent=1))
+    return 0
+
+
+class TickClock:
+    """A clock (seconds) that advances ``tick`` at every reading: a repeatable run."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def _uncounted(counter: OpCounter, call, *args, **kwargs):
+    """Run a prefill under the "prefill" phase (left out of the per-step counts)."""
+    outer, counter.phase = counter.phase, "prefill"
+    try:
+        return call(*args, **kwargs)
+    finally:
+        counter.phase = outer
+
+
+if __name__ == "__main__":
+    sys.exit(main())
