@@ -286,27 +286,30 @@ def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, wit
     diffusion rows' features (a top-2 and an entropy over [B, K, Vd]); zeros otherwise."""
     B, K = batch.size, width
     dev = batch.lengths.device
-    tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
-    conf = torch.zeros(B, K, device=dev)
-    ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
-    q_all = None
-    if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
-        tok_s, conf_s = suffix_drafts(batch.requests, batch.steps_host, K)
-        tokens, conf = tok_s.to(dev), conf_s.to(dev)
     rows = batch.diffusion_rows
+    span = batch.span or K  # in [1, K] (`Engine._span`)
+    q_all = None
+    whole = bool(rows) and len(rows) == B  # every row drafts by diffusion: its drafts are the step's
+    if not whole:  # rows without a diffusion draft read zeros (suffix rows: their copies)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+        conf = torch.zeros(B, K, device=dev)
+        ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
+        if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
+            tok_s, conf_s = suffix_drafts(batch.requests, batch.steps_host, K)
+            tokens, conf = tok_s.to(dev), conf_s.to(dev)
     if rows:
         context.flush(batch.requests, rows)
-        span = batch.span or K  # in [1, K] (`Engine._span`)
         tok_d, q_d = context.draft(batch, rows, span)                                   # [Bd, span], [Bd, span, Vd]
         if with_features:
             c, e, mg = draft_features(q_d)
         else:  # nobody reads them: zeros, as for rows that do not draft
             c = e = mg = torch.zeros(len(rows), span, device=dev)
-        if len(rows) == B and span == K:
-            tokens, conf, ent, margin, q_all = tok_d, c, e, mg, q_d
+        if whole:  # zeros past the span, as rows that do not draft read
+            pad = (lambda t: t) if span == K else (lambda t: torch.nn.functional.pad(t, (0, K - span)))
+            tokens, conf, ent, margin, q_all = pad(tok_d), pad(c), pad(e), pad(mg), q_d
         else:  # q stays `span` wide: no diffusion row verifies past it (`Engine._plan` caps k; a
             # suffix row may, and `Verifier.ragged` pads q for it)
             sel = torch.tensor(rows, device=dev)
             tokens[sel, :span], conf[sel, :span], ent[sel, :span], margin[sel, :span] = tok_d, c, e, mg
-            q_all = q_d if len(rows) == B else torch.zeros(B, span, q_d.shape[-1], device=dev).index_copy_(0, sel, q_d)
+            q_all = torch.zeros(B, span, q_d.shape[-1], device=dev).index_copy_(0, sel, q_d)
     return StepDrafts(tokens, q_all, conf, ent, margin, None if context is None else context.vocab_ids)

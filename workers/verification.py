@@ -38,6 +38,7 @@ class AcceptCounters:
         self.width = max(width, 1)
         self.accepted = torch.zeros(max_batch, self.width, device=device)  # accepted at draft position j
         self.reached = torch.zeros(max_batch, self.width, device=device)   # verified with all before accepted
+        self.slots = torch.arange(self.width, device=device)  # [Kc] draft positions j
 
     def reset(self, row0: int, n: int) -> None:
         self.accepted[row0 : row0 + n] = 0
@@ -51,11 +52,12 @@ class AcceptCounters:
         """Count a step's outcome (accepted / draft_len [B] int64) for slots 0 .. B − 1; returns
         the host-row columns [accept per position (Kc), positions ever verified (1)] as float64."""
         B = accepted.shape[0]
-        j = torch.arange(self.width, device=accepted.device)
-        self.accepted[:B] += (j[None] < accepted[:, None]).float()
-        self.reached[:B] += ((j[None] < draft_len[:, None]) & (j[None] <= accepted[:, None])).float()
-        apos = self.accepted[:B] / self.reached[:B].clamp(min=1)
-        return [apos.double(), (self.reached[:B] > 0).sum(1, keepdim=True).double()]
+        acc, reached = self.accepted[:B], self.reached[:B]                            # [B, Kc] views
+        acc += self.slots < accepted[:, None]
+        # position j was reached when every draft before it was accepted: j <= accepted, j < draft_len
+        reached += self.slots < torch.minimum(draft_len, accepted + 1)[:, None]
+        apos = acc / reached.clamp(min=1)
+        return [apos.double(), (reached > 0).sum(1, keepdim=True).double()]
 
 
 def stop_table(requests, device) -> torch.Tensor:
@@ -180,10 +182,11 @@ class Verifier:
         is_stop = (out.tokens[:, :, None] == stops[:, None, :]).any(-1) & (j[None] < emit[:, None])  # [B, Tq]
         first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1), Tq)
         n_emit = torch.minimum(emit, first_stop + 1)
-        packed = [out.tokens.double(), a[:, None].double(), n_emit[:, None].double(), out.tvd_spent[:, None].double()]
-        packed += self.counters.update(a, batch.plan.draft_len)
-        packed += [f.double() for f in feats]
-        return torch.cat(packed, 1).tolist(), self.counters.width  # the step's one host sync
+        # one float64 table (`torch.cat` promotes: the counters' columns are float64, and token ids
+        # and counts are exact in it)
+        packed = [out.tokens, a[:, None], n_emit[:, None], out.tvd_spent[:, None],
+                  *self.counters.update(a, batch.plan.draft_len), *feats]
+        return torch.cat(packed, 1).double().tolist(), self.counters.width  # the step's one host sync
 
     def sample_next(self, logits: torch.Tensor, requests, temperature, top_k, top_p, feats) -> list[list[float]]:
         """The autoregressive step (no row verifies a draft): logits [B, V] of each row's anchor
