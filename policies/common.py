@@ -139,13 +139,14 @@ class RequestBook:
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
-        elapsed, count, stall = self.elapsed, self.count, torch.zeros_like(self.elapsed)
         wall = getattr(rows, "decode_ms", None)
         if self.wall_clock and wall is not None:  # as the client measures: wall time, tokens after the first
             elapsed, count = wall.float().cpu(), (rows.generated.cpu() - 1).clamp_min(0).float()
             stall = (elapsed - self.elapsed).clamp_min(0.0)  # time outside the decode steps it took part in
-        measured = elapsed / count.clamp_min(1.0)
-        lateness = torch.where(torch.isfinite(st["tpot_ms"]), measured / st["tpot_ms"], torch.zeros_like(measured))
+        else:
+            elapsed, count, stall = self.elapsed, self.count, torch.zeros_like(self.elapsed)
+        measured = elapsed / count.clamp_min(1.0)                                      # [B] finite, >= 0
+        lateness = measured / st["tpot_ms"]  # 0 where there is no target (tpot_ms = inf)
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
                "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
                "idle": self.idle, "elapsed_ms": elapsed, "tokens": count, "stall_ms": stall,
