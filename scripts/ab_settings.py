@@ -9,6 +9,10 @@ a rotated order; a row is its median-goodput round. Example (the stop-17 decisio
         --policy-file results/policies-demo-mixed-overhead/policy.json \
         --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
 
+Round r serves its own instance of the scenario (the prompt list rotated by r times the requests,
+seed r for sampled requests: `adapt.bench.interleave.scenario_instance`), by default since stop 53;
+``--no-instances`` serves the same one every round (every run before stop 52 did).
+
 ``--admission all,sla`` runs every policy under each engine admission mode (workers/admission.py;
 rows named ``NAME+sla``). Every adaptive row (and variant) also gets its **paired ratio**: in each
 round, its goodput over the best static row's (``ar``, ``suffix``) of the same round and
