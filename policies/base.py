@@ -49,7 +49,7 @@ def make_verify_decision(draft_len: torch.Tensor, rule: torch.Tensor, param: tor
         draft_len = torch.minimum(draft_len, (remaining.to(draft_len.device) - 1).clamp_min(0))
     none = draft_len <= 0
     rule = torch.where(none, _plain_rule(rows, rule.device).to(rule.dtype), rule)
-    param = torch.where(none, torch.zeros_like(param), param)
+    param = param.masked_fill(none, 0.0)
     if param2 is None:
         param2 = torch.zeros_like(param)
     return VerifyDecision(draft_len=draft_len.to(torch.int64), rule=rule.to(torch.int32),

@@ -14,7 +14,9 @@ reported; time a change with `scripts/ab_settings.py`. The engine reads a clock 
 ``--tick-ms`` per reading instead of the wall clock, and the policy prices steps by its policy
 file's cost tables rather than a start-up profile (``--profile``), so that the run's decisions
 (which read step times, lateness and costs) do not depend on the machine or on the counting's own
-slowness: two versions of the code count the same steps. Example (stop 53):
+slowness: two versions of the code count the same steps. For the same reason the adaptive policy holds every plain decision it makes
+(``hold_share`` 0: the default compares the decision's own CPU time with a step's, which varies
+from run to run; on SmolLM2 at one request it held them all anyway). Example (stop 53):
 
     python scripts/host_ops.py --pair smollm2 --policy adaptive --load 1 --lines 40 --out results/host-ops-53/adaptive-l1.json
 """
@@ -129,7 +131,9 @@ def main(argv=None) -> int:
     t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
     mix = make_mix(max(24, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
     grid = tuple(pf.settings.get("steps_grid", (1,)))
-    policy = (build_policy("adaptive", pf, steps_grid=grid) if args.policy == "adaptive"
+    # hold_share 0: a plain decision is held whatever the decision's own CPU time (which the share
+    # test reads, and which varies from run to run)
+    policy = (build_policy("adaptive", pf, steps_grid=grid, hold_share=0.0) if args.policy == "adaptive"
               else make_policy(args.policy, pf, steps_grid=(1,), width=K))
     served, seed = scenario_instance(prompts, args.instance, len(mix))
     run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)

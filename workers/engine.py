@@ -512,7 +512,8 @@ class Engine:
         rule, param, param2 = enforce_rules(dec.rule.to(at), dec.param.to(at), dec.param2.to(at), rows.temperature.to(at),
                                             batch.lossless.to(at), batch.conditional.to(at), steps == SUFFIX,
                                             batch.exact_rule.to(at))
-        k_host, rule_host, p1_host, p2_host = torch.stack([k.double(), rule.double(), param.double(), param2.double()]).tolist()
+        # one host read (`torch.stack` promotes to float32: counts, rule ids and float32 params exact)
+        k_host, rule_host, p1_host, p2_host = torch.stack([k, rule, param, param2]).tolist()
         k_host, rule_host = [int(x) for x in k_host], [int(x) for x in rule_host]
         dev = self.device
         k, rule, param, param2 = k.to(dev), rule.to(dev), param.float().to(dev), param2.float().to(dev)
