@@ -543,16 +543,7 @@ class AdaptivePolicy(Policy):
         if dropped is not None:  # a dropped row's plan is lost
             gain = gain - torch.where(dropped, w[:, None] * plan_extra[:, None], 0.0)
             kept_extra = torch.where(dropped, 0.0, kept_extra)
-        if packed:  # each row costs its own positions
-            own = torch.where(take, 1 + k, torch.where(stay, toks[:, None].long(), 1))  # [B, C]
-            verified = own.sum(0)                                                      # [C] positions
-        else:  # rows padded to the longest
-            k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0).long()          # [C]
-            verified = B * (torch.maximum((k * take).amax(0), k_stay) + 1)             # [C] positions
-        top = int(steps.max()) if bool(diffusing.any()) else 0
-        passes = torch.arange(1, top + 1)                                              # [top]
-        rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [C, top] rows per pass
-        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [C]
+        verified, raw = self._candidate_ms(steps, diffusing, toks, k, take, stay, packed)  # [C] positions, [C] ms
         wide = verified > verified[0]
         ratio = self.suffix_cost_ratio
         ms = raw * torch.where(wide, ratio["wide"], ratio["plan"])
@@ -589,18 +580,29 @@ class AdaptivePolicy(Policy):
         (a copy that wins fewer tokens may be taken)."""
         return self.copies_save or bool(((w > 0) & (win[:, -1] > extra.clamp(min=0))).any())
 
+    def _candidate_ms(self, steps, diffusing, toks, k, take, stay, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C] verified positions, [C] table ms) of `_take_suffix`'s candidate steps: steps [B] the
+        plan, diffusing [B] its rows with s > 0; toks [B] its verified positions per row; k [B, C] suffix draft lengths; take [B, C]
+        rows that take their suffix draft; stay [B, C] rows that keep their diffusion draft."""
+        B = steps.shape[0]
+        if packed:  # each row costs its own positions
+            own = torch.where(take, 1 + k, torch.where(stay, toks[:, None].long(), 1))  # [B, C]
+            verified = own.sum(0)                                                      # [C] positions
+        else:  # rows padded to the longest
+            k_stay = ((toks[:, None] * stay).amax(0) - 1).clamp_min(0).long()          # [C]
+            verified = B * (torch.maximum((k * take).amax(0), k_stay) + 1)             # [C] positions
+        top = int(steps.max()) if bool(diffusing.any()) else 0
+        passes = torch.arange(1, top + 1)                                              # [top]
+        rpp = ((steps[:, None] * stay)[:, :, None] >= passes).sum(0)                   # [C, top] rows per pass
+        return verified, self.cost.step_ms(verified.double(), rpp if top else None).float()
+
     def _keep_plan(self, steps: torch.Tensor, toks: torch.Tensor, packed: bool) -> torch.Tensor:
         """`_take_suffix`'s answer where no row takes its suffix draft: the plan ``steps`` [B],
         with the plan's predicted step (its candidate column 0) kept for the cost correction."""
         B = steps.shape[0]
+        none = torch.zeros(B, 1, dtype=torch.int64)                                    # [B, 1] no suffix draft
         diffusing = steps > 0                                                          # [B]
-        if packed:
-            verified = torch.where(diffusing, toks.long(), 1).sum()[None]              # [1] positions
-        else:
-            verified = B * (((toks * diffusing).amax() - 1).clamp_min(0).long() + 1)[None]  # [1] positions
-        top = int(steps.max()) if bool(diffusing.any()) else 0
-        rpp = ((steps * diffusing)[:, None] >= torch.arange(1, top + 1)).sum(0)[None]  # [1, top] rows per pass
-        raw = self.cost.step_ms(verified.double(), rpp if top else None).float()       # [1]
+        _, raw = self._candidate_ms(steps, diffusing, toks, none, none.bool(), diffusing[:, None], packed)  # [1]
         ms = raw * self.suffix_cost_ratio["plan"]
         self._suffix_k = torch.zeros(B, dtype=torch.int64)
         self._suffix_pred = (float(raw[0]), False, 0.0, float(ms[0]))
