@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID, CostModel, Table
+from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, PolicyFileError, load
 from workers.decisions import StaticDecisions
 
@@ -205,12 +205,14 @@ PROFILE_SPAN = 4  # drafts per speculative step when profiling the drafting extr
 
 
 @torch.inference_mode()
-def profile_engine(engine, token_grid=DEFAULT_TOKEN_GRID[:8], row_grid=DEFAULT_ROW_GRID[:7],
+def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_ROW_GRID[:7],
                    context: int = 64, repeats: int = 5, overhead_steps: int = 12) -> CostModel:
     """Time ``engine``'s target forward per token count and drafter pass per row count, then the
     per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
 
-    - verify table: one target forward over ``n`` tokens (with the stash of their hidden states);
+    - verify table: one target forward over ``n`` tokens (with the stash of their hidden states),
+      at every ``n`` up to 8 and coarser above (`PROFILE_TOKEN_GRID`: a compiled forward is not
+      linear between powers of two there);
     - draft table: one denoising pass over ``rows`` blocks of ``K + 1`` tokens (logits over the
       draft vocabulary and their softmax, as the engine drafts: by the drafter's compiled package
       where it has one that takes the shape), plus the lazy drafter-context

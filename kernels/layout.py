@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 
@@ -39,6 +40,29 @@ class RaggedLayout:
         draft_row = torch.repeat_interleave(ar, k, output_size=num_drafts)     # [N]
         draft_col = torch.arange(num_drafts, device=dev) - cu[:-1][draft_row]  # [N]
         return cls(cu.to(torch.int32), row, col, draft_idx, draft_row, draft_col, num_drafts)
+
+    @classmethod
+    def from_host_counts(cls, counts: list[int], device) -> "RaggedLayout":
+        """`from_counts` of draft counts the host knows (``counts``: B ints): the index arithmetic
+        in numpy on the host, and one tensor moved to ``device`` whose rows are the layout's
+        fields (views). The engine knows its draft lengths on the host after the plan's read: this
+        costs one small copy where `from_counts` runs a dozen tensor operations (on a GPU, a dozen
+        kernel launches)."""
+        k = np.asarray(counts, dtype=np.int64)                                        # [B]
+        B, N = k.shape[0], int(k.sum())
+        starts = np.zeros(B + 1, dtype=np.int64)                                      # [B + 1] cu
+        np.cumsum(k, out=starts[1:])
+        ar = np.arange(B)
+        row = np.repeat(ar, k + 1)                                                    # [R]
+        col = np.arange(N + B) - (starts[:-1] + ar)[row]                              # [R]
+        draft_idx = np.where(col < k[row], starts[:-1][row] + col, -1)                # [R]
+        draft_row = np.repeat(ar, k)                                                  # [N]
+        draft_col = np.arange(N) - starts[:-1][draft_row]                             # [N]
+        flat = np.concatenate([starts, row, col, draft_idx, draft_row, draft_col])
+        fields = torch.from_numpy(flat).to(device)
+        R = N + B
+        cu, row_t, col_t, idx_t, drow_t, dcol_t = fields.split([B + 1, R, R, R, N, N])
+        return cls(cu.to(torch.int32), row_t, col_t, idx_t, drow_t, dcol_t, N)
 
     @classmethod
     def from_cu(cls, cu: torch.Tensor, num_drafts: int) -> "RaggedLayout":

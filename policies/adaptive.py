@@ -73,15 +73,20 @@ book-keeping, the online cost model).
 
 Draft span (``span_headroom``): the drafter denoises only the block positions a row may verify
 (`draft_span`, asked by the engine before drafting): the plan's longest diffusion draft plus
-``span_headroom`` (2) positions, not the whole block of 16. On SmolLM2 the first k positions
-of a truncated block draft as well as the whole block's (greedy τ within ±1.5 % for k = 1…8,
-stop 37), and a pass over 5 positions instead of 17 costs 2.6 instead of 4.0 ms at one row, 8.8
-instead of 17.6 ms at eight.
+``span_headroom`` (1; 2 until stop 54) positions, not the whole block of 16. On SmolLM2 the first
+k positions of a truncated block draft as well as the whole block's (greedy τ within ±1.5 % for
+k = 1…8, stop 37), and a pass over 5 positions instead of 17 costs 2.6 instead of 4.0 ms at one
+row, 8.8 instead of 17.6 ms at eight. One position of headroom rather than two (stop 54): on the
+compiled target a forward over 5–6 positions costs ~1 ms (5 %) more than over 3–4 at one row, for
+the few tokens a diffusion draft wins that far; measured +1.3 % goodput at one request on the
+mixed workload (three interleaved runs: +2.4, +2.2, −1.0 %; 14 of 20 rounds ahead), a small gain
+at the edge of what these runs resolve.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 import torch
@@ -116,7 +121,7 @@ class AdaptivePolicy(Policy):
                  sla_reach: bool = True, overhead_scales: bool = True,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
                  diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
-                 span_headroom: int | None = 2, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
+                 span_headroom: int | None = 1, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= closed_weight <= 1.0:
             raise ValueError(f"closed_weight: must be in [0, 1], got {closed_weight!r}")
@@ -129,6 +134,7 @@ class AdaptivePolicy(Policy):
         self.span_headroom = span_headroom
         self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
         self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
+        self._flat_now: bool | None = None  # whether this step verifies every drafted slot, as `_span` found (None: not asked)
         self.sla_guard = bool(sla_guard)
         # with `sla_guard_behind`, rows already behind their target veto candidates that lower
         # their own expected tokens per ms (`keeps_targets`), in batches of at least
@@ -188,7 +194,7 @@ class AdaptivePolicy(Policy):
         # decayed sums, per temperature class (greedy, sampled) and step count of `steps_grid`
         # ([2, S]), of the tokens diffusion drafts won and of what the plan's prior predicted they would
         self.diffusion_recalibrate = bool(diffusion_recalibrate)
-        self.diffusion_won = self.diffusion_predicted = None  # [2, S] float64, made at first use
+        self.diffusion_won = self.diffusion_predicted = None  # 2 · S host floats, made at first use
         self.diffusion_drafts = 0
         self._diffusion_expect = None  # ([B] prior-predicted extra tokens per diffusion row (0: none), [B] grid index)
         # measured / predicted step time of steps that widened the batch for suffix drafts and of
@@ -365,7 +371,7 @@ class AdaptivePolicy(Policy):
             self.held_steps += 1
             steps = torch.zeros(len(rows.request_ids), dtype=torch.int64, device=rows.temperature.device)
             self.last_steps, self._suffix_k, self._suffix_pred = steps, torch.zeros_like(steps), None
-            self._diffusion_expect = None
+            self._diffusion_expect, self._flat_now = None, None
             self.decision_s += time.thread_time() - t0
             self.steps_decided += 1
             return steps
@@ -396,17 +402,30 @@ class AdaptivePolicy(Policy):
         whole block where verifying every slot is nearly free (`_flat`), with ``span_headroom``
         None, or without a plan for these rows."""
         K = int(getattr(rows, "block_size", 0) or self.block_size)
-        diffusing = torch.tensor([s > 0 for s in steps])                               # [B]
+        diffusing = [s > 0 for s in steps]                                             # [B] host
+        rpp = rows_per_pass(steps)
         plan = self._plan
         if (self.span_headroom is None or plan is None or plan[0] != tuple(rows.request_ids)
-                or not bool(diffusing.any()) or self._flat(len(diffusing), K, rows_per_pass(steps))):
+                or not any(diffusing) or self._flat(len(diffusing), K, rpp)):
             span = K
         else:
-            planned = int(plan[4][diffusing].max()) - 1  # toks: verified positions, bonus included
+            toks = plan[4].tolist()  # verified positions per row, bonus included
+            planned = int(max(t for t, d in zip(toks, diffusing) if d)) - 1
             span = max(1, min(K, planned + self.span_headroom))
         self.typical_span = span if self.typical_span is None else 0.8 * self.typical_span + 0.2 * span
         self._span_now = span
+        # whether `choose_verify` will verify every drafted slot (`_flat` at this span): then it
+        # reads no draft features, and the engine need not compute them (`reads_draft_features`)
+        self._flat_now = any(diffusing) and self._flat(len(diffusing), span, rpp)
         return span
+
+    @property
+    def reads_draft_features(self) -> bool:
+        """Whether this step's `choose_verify` reads the drafts' features (confidence, entropy,
+        margin: a top-2 and an entropy over [B, span, Vd] that the engine computes only for a
+        reader, workers/engine.py): not where `_span` found that it will verify every drafted
+        slot (`_flat`), which needs no predictor."""
+        return self._flat_now is not True
 
     def _price_span(self, K: int) -> None:
         """Let the cost model price drafting passes at the span this policy drafts (`typical_span`;
@@ -436,7 +455,7 @@ class AdaptivePolicy(Policy):
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
         K = int(getattr(rows, "block_size", 0) or self.block_size)
-        self._suffix_k, self._suffix_expect, self._span_now = None, None, None
+        self._suffix_k, self._suffix_expect, self._span_now, self._flat_now = None, None, None, None
         self._diffusion_expect = None
         if B == 0 or K == 0:
             return torch.zeros(B, dtype=torch.int64)
@@ -675,43 +694,44 @@ class AdaptivePolicy(Policy):
         denoising steps won 0.72 extra tokens where the plan predicted 1.00, one step 0.95 where
         it predicted 0.80 (the shipped drafter gains nothing from a second step), so without
         the ratio the plan paid for a second drafter pass on most greedy steps."""
-        won, predicted = self._diffusion_sums()
+        won, predicted = (torch.tensor(x, dtype=torch.float64).view(2, -1) for x in self._diffusion_sums())
         if not self.diffusion_recalibrate:
             return torch.ones_like(won)
         return ((won + DIFFUSION_PRIOR) / (predicted + DIFFUSION_PRIOR)).clamp(0.25, 2.0)
 
-    def _diffusion_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([2, S], [2, S]) the decayed won / predicted sums of `diffusion_accept_ratio`, made
-        (zeros) at first use and again when ``steps_grid`` changed."""
+    def _diffusion_sums(self) -> tuple[list[float], list[float]]:
+        """(won, predicted): the decayed sums of `diffusion_accept_ratio`, flat lists of 2 · S
+        host floats (cell ``class · S + level``, class 1 for sampled rows), made (zeros) at first
+        use and again when ``steps_grid`` changed. Host numbers, not tensors: a step updates one or
+        a few cells, which costs a dozen small tensor operations and no arithmetic worth one."""
         S = len(self.steps_grid)
-        if self.diffusion_won is None or self.diffusion_won.shape != (2, S):
-            self.diffusion_won = torch.zeros(2, S, dtype=torch.float64)
-            self.diffusion_predicted = torch.zeros(2, S, dtype=torch.float64)
+        if self.diffusion_won is None or len(self.diffusion_won) != 2 * S:
+            self.diffusion_won, self.diffusion_predicted = [0.0] * (2 * S), [0.0] * (2 * S)
         return self.diffusion_won, self.diffusion_predicted
 
     def _learn_diffusion_accept(self, rows, outcome) -> None:
         """Add this step's diffusion rows' accepted tokens and plan-predicted extra tokens (before
         recalibration) to the decayed sums of their class and step count; a cell without such
         drafts this step lets its evidence fade."""
-        self._diffusion_sums()
+        won_sums, predicted_sums = self._diffusion_sums()
         found, self._diffusion_expect = self._diffusion_expect, None
         B = len(outcome.accepted)
         expect, level = found if found is not None else (None, None)
-        taken = None if expect is None or B != len(expect) else (expect > 0) & torch.isfinite(expect)
-        if taken is None or not bool(taken.any()):
-            self.diffusion_won *= DIFFUSION_IDLE_DECAY
-            self.diffusion_predicted *= DIFFUSION_IDLE_DECAY
-            return
-        S = self.diffusion_won.shape[1]
-        won = torch.as_tensor(outcome.accepted).cpu().double()                        # [B]
-        cell = ((rows.temperature.cpu() > 0).long() * S + level.clamp(max=S - 1))[taken]  # [n] flat (class, step) index
-        w = torch.zeros(2 * S, dtype=torch.float64).index_add_(0, cell, won[taken]).view(2, S)
-        p = torch.zeros(2 * S, dtype=torch.float64).index_add_(0, cell, expect[taken].double()).view(2, S)
-        seen = torch.zeros(2 * S, dtype=torch.bool).index_fill_(0, cell, True).view(2, S)
-        decay = torch.where(seen, DIFFUSION_DECAY, DIFFUSION_IDLE_DECAY).double()
-        self.diffusion_won = decay * self.diffusion_won + w
-        self.diffusion_predicted = decay * self.diffusion_predicted + p
-        self.diffusion_drafts += int(taken.sum())
+        cells = {}  # flat (class, step) cell -> [tokens won, tokens predicted] this step
+        if expect is not None and B == len(expect):
+            S = len(won_sums) // 2
+            for e, lv, a, t in zip(expect.tolist(), level.tolist(), torch.as_tensor(outcome.accepted).tolist(),
+                                   rows.temperature.tolist()):
+                if e > 0 and math.isfinite(e):  # the row verified a diffusion draft the plan predicted
+                    cell = cells.setdefault((t > 0) * S + min(lv, S - 1), [0.0, 0.0])
+                    cell[0] += a
+                    cell[1] += e
+                    self.diffusion_drafts += 1
+        for c in range(len(won_sums)):
+            w, p = cells.get(c, (0.0, 0.0))
+            decay = DIFFUSION_DECAY if c in cells else DIFFUSION_IDLE_DECAY
+            won_sums[c] = decay * won_sums[c] + w
+            predicted_sums[c] = decay * predicted_sums[c] + p
 
     def draft_overhead_at(self, batch: int, source: str = "diffusion") -> float:
         """The fixed extra ms of a step of `batch` rows that verifies drafts of ``source``
@@ -973,7 +993,10 @@ class AdaptivePolicy(Policy):
         if max_s == 0:  # no row drafted: every row emits its one target token
             return no_draft_decision(rows, dev)
         span = min(K, self._span_now or K)  # the positions the drafter denoised (0 confidence past them)
-        if self._flat(B, span, rpp):
+        flat = self._flat_now  # as `_span` found it where it was asked (then the engine computed no features)
+        if flat is None:
+            flat = self._flat(B, span, rpp)
+        if flat:
             # verifying every drafted slot costs nearly nothing more (memory-bound, or a short span
             # on a CPU): verify them all, without evaluating the predictor
             k = torch.where(draft.steps > 0, span, 0).to(torch.int64)

@@ -26,7 +26,9 @@ runs only during its own turns, so that every row of a round meets the same drif
 variant may also change its own engine: keys ``engine.FIELD`` set that `EngineConfig` field of
 its engine (e.g. ``--variant pad:engine.aot_pad=true``: the adaptive policy on an engine that pads
 few-token calls, beside the same policy on the default engine), and its policy plans with a
-start-up profile of that engine (`profile_engine`), as a worker of that config would.
+start-up profile of that engine (`profile_engine`), as a worker of that config would. Keys
+``profile.ARG`` give that variant's policy its own start-up profile of its engine, taken with
+`profile_engine` argument ARG (e.g. ``--variant fine:profile.token_grid=@grid.json``, a JSON list).
 
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
 per step, held share (adaptive), the two SLA targets (``sla_ms``: tight and loose, ``--sla-ms``), draft sources and (adaptive) the suffix calibration (mean
@@ -131,10 +133,13 @@ def main(argv=None) -> int:
     if args.sla_ms is not None and not args.sla_ms > 0:
         p.error(f"--sla-ms must be positive, got {args.sla_ms}")
     variants = dict(parse_variant(v) for v in args.variant)
-    # engine.FIELD keys: that variant's own engine's config (with --interleave, where each run has one)
+    # engine.FIELD keys: that variant's own engine's config (with --interleave, where each run has one);
+    # profile.ARG keys: that variant plans with its own profile of its engine (`profile_engine` ARG)
     engine_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("engine.")}
                        for n, st in variants.items()}
-    variants = {n: {k: v for k, v in st.items() if not k.startswith("engine.")} for n, st in variants.items()}
+    profile_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("profile.")}
+                        for n, st in variants.items()}
+    variants = {n: {k: v for k, v in st.items() if not k.startswith(("engine.", "profile."))} for n, st in variants.items()}
     if any(engine_settings.values()) and not args.interleave:
         p.error("--variant with engine.FIELD settings needs --interleave (a run of its own engine)")
 
@@ -184,7 +189,9 @@ def main(argv=None) -> int:
             from workers.engine import Engine
 
             engines[n] = Engine(dataclasses.replace(engine.config, **own))
-            own_cost[n.partition("+")[0]] = profile_engine(engines[n])
+        profile = profile_settings.get(n.partition("+")[0])
+        if own or profile:
+            own_cost[n.partition("+")[0]] = profile_engine(engines[n], **(profile or {}))
 
     def with_stats(policy, m):
         st = policy.stats() if hasattr(policy, "stats") else {}

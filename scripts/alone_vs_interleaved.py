@@ -1,12 +1,25 @@
-"""Does interleaving change a run's own numbers? `ar` at one load (default 16) on SmolLM2's mixed
-workload: alone, then two `ar` engines interleaved (adapt/bench/interleave.py), then alone again;
-prints goodput tok/s as JSON (stop 24: 34.7, then 35.0 and 33.9, then 34.4).
+"""Does interleaving change a run's own numbers, or the ratio of two policies?
 
-    python scripts/alone_vs_interleaved.py 16
+For each scenario instance (`adapt.bench.interleave.scenario_instance`), two policies A and B on
+SmolLM2's mixed workload, each on its own engine: A alone, B alone, both interleaved
+(adapt/bench/interleave.py: the runs take turns step by step, each timed by its own clock), B
+alone, A alone. Printed and written as JSON per instance: every run's goodput (tok/s), B / A alone
+(the sums of the two alone runs of each, in ABBA order so that a drift meets both alike) and
+interleaved. Examples:
+
+    python scripts/alone_vs_interleaved.py --policies ar,ar --load 16 --compile off --instances 0   # stop 24
+    python scripts/alone_vs_interleaved.py --policies suffix,adaptive --load 1 --compile aot \\
+        --instances 0,1,2,3 --out results/policies-smollm2-54/alone-vs-interleaved-l1.json          # stop 54
+
+Stop 24 (`ar` twice at 16 requests, eager): 34.7 alone, 35.0 and 33.9 interleaved, 34.4 alone.
+Stop 54 (static suffix drafting against the adaptive policy at one request, both packages): B / A
+1.223, 1.048, 1.096, 1.147 alone against 1.101, 1.072, 1.193, 1.076 interleaved: no bias either
+way beyond the noise of one instance's run (docs/benchmarks.md, stop 54).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,30 +28,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default="ar,ar", help="A,B: baselines of `adapt bench policies` or adaptive")
+    p.add_argument("--load", type=int, default=16)
+    p.add_argument("--compile", default="off", choices=("off", "aot"))
+    p.add_argument("--instances", default="0", help="scenario instances, comma-separated")
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--requests", type=int, default=None, help="requests per run (default: max(24, 2 x load))")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.policies.split(",")]
+    if len(names) != 2:
+        p.error(f"--policies: two names A,B, got {args.policies!r}")
+
     import torch
 
-    from adapt.bench.interleave import engine_copies, run_interleaved
-    from adapt.bench.live import KnobsBaseline, run_live
-    from adapt.bench.policies import workload_engine
+    from adapt.bench import write_json
+    from adapt.bench.interleave import engine_copies, run_round, scenario_instance
+    from adapt.bench.policies import make_policy, workload_engine
+    from adapt.controller import build_policy, profile_engine
+    from adapt.policy_file import load
     from adapt.replay import Scenario, make_mix
 
-    argv = sys.argv[1:] if argv is None else argv
-    load = int(argv[0]) if argv else 16
     torch.set_num_threads(2)
-    engine, prompts = workload_engine("smollm2", "mixed", 64, 98)
-    first, second = engine_copies(engine, 2)
-    mix = make_mix(max(24, 2 * load), 160.0, 640.0, max_tokens=64, length_spread=0.5)
-    ar = lambda: KnobsBaseline("ar", draft_len=0)  # noqa: E731
-    for engine in (first, second):
-        run_live(engine, ar(), Scenario("warm", 4, mix[:4]), prompts)  # not recorded
-    scenario = Scenario("mix", load, mix)
-    alone_1 = run_live(first, ar(), scenario, prompts)["goodput_tok_s"]
-    both = run_interleaved([first, second], [ar(), ar()], scenario, prompts)
-    alone_2 = run_live(second, ar(), scenario, prompts)["goodput_tok_s"]
-    print(json.dumps({"load": load, "alone_1": round(alone_1, 1),
-                      "interleaved": [round(m["goodput_tok_s"], 1) for m in both], "alone_2": round(alone_2, 1)}))
+    engine, prompts = workload_engine(args.pair, "mixed", args.load, args.max_tokens + 33, compile=args.compile)
+    pf = load(str(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json"))
+    pf.cost = profile_engine(engine)
+    K = engine.block
+    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    mix = make_mix(args.requests or max(24, 2 * args.load), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=0.5)
+    grid = tuple(pf.settings.get("steps_grid", (1,)))
+
+    def make(name):
+        if name == "adaptive":
+            return build_policy("adaptive", pf, steps_grid=grid)
+        return make_policy(name, pf, steps_grid=grid, width=K)
+
+    engines = engine_copies(engine, 2)
+    warm, scenario = Scenario("warm", min(args.load, 4), mix[:4]), Scenario("mix", args.load, mix)
+    out = []
+    for inst in [int(x) for x in args.instances.split(",")]:
+        served, seed = scenario_instance(prompts, inst, len(mix))
+        alone: list[list[float]] = [[], []]
+
+        def run_alone(i: int) -> None:
+            m = run_round([engines[i]], [make(names[i])], warm, scenario, served, interleave=False, seed=seed)[0]
+            alone[i].append(round(m["goodput_tok_s"], 2))
+
+        run_alone(0)
+        run_alone(1)
+        both = run_round(engines, [make(n) for n in names], warm, scenario, served, interleave=True, seed=seed)
+        run_alone(1)
+        run_alone(0)
+        both_tok_s = [round(m["goodput_tok_s"], 2) for m in both]
+        rec = {"instance": inst, "policies": names, "load": args.load, "alone_a": alone[0], "alone_b": alone[1],
+               "interleaved": both_tok_s, "b_over_a_alone": round(sum(alone[1]) / sum(alone[0]), 3),
+               "b_over_a_interleaved": round(both_tok_s[1] / both_tok_s[0], 3)}
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    if args.out:
+        write_json(args.out, out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

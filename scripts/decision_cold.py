@@ -18,7 +18,6 @@ and per operation (stop 51, `results/decision-cold-51.json`: one torch op cold 1
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -68,6 +67,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from adapt.bench import write_json
     from adapt.policy_file import load
     from policies.greedy import greedy_prefix
 
@@ -103,8 +103,7 @@ def main(argv=None) -> int:
             out["us"][name][mode] = round(1e6 * statistics.median(times), 1)
         print(f"{name:14s} warm {out['us'][name]['warm']:7.1f} us   cold {out['us'][name]['cold']:7.1f} us")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.out, out)
     return 0
 
 

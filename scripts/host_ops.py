@@ -19,6 +19,9 @@ slowness: two versions of the code count the same steps. For the same reason the
 from run to run; on SmolLM2 at one request it held them all anyway). Example (stop 53):
 
     python scripts/host_ops.py --pair smollm2 --policy adaptive --load 1 --lines 40 --out results/host-ops-53/adaptive-l1.json
+
+``--setting KEY=VALUE`` sets an adaptive-policy setting over the policy file's (stop 54 counted
+``span_headroom=2``, the default before it, to compare with stop 53's decisions).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -109,11 +113,15 @@ def main(argv=None) -> int:
                    help="price steps by a start-up profile of the engine (as the benchmarks do; the counts then vary run to run)")
     p.add_argument("--tick-ms", type=float, default=5.0, help="what the engine's clock advances per reading")
     p.add_argument("--lines", type=int, default=0, help="print the top N lines of our code by operations")
+    p.add_argument("--setting", action="append", default=[],
+                   help="KEY=VALUE (JSON value): an adaptive-policy setting over the policy file's, e.g. span_headroom=2")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    settings = {k.strip(): json.loads(v) for k, _, v in (item.partition("=") for item in args.setting)}
 
     import torch
 
+    from adapt.bench import write_json
     from adapt.bench.interleave import scenario_instance
     from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     # hold_share 0: a plain decision is held whatever the decision's own CPU time (which the share
     # test reads, and which varies from run to run)
-    policy = (build_policy("adaptive", pf, steps_grid=grid, hold_share=0.0) if args.policy == "adaptive"
+    policy = (build_policy("adaptive", pf, steps_grid=grid, hold_share=0.0, **settings) if args.policy == "adaptive"
               else make_policy(args.policy, pf, steps_grid=(1,), width=K))
     served, seed = scenario_instance(prompts, args.instance, len(mix))
     run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
@@ -151,6 +159,18 @@ def main(argv=None) -> int:
         return decode(*a, **kw)
 
     engine._decode = counted_decode
+    digest = hashlib.sha1()
+    conclude = engine._conclude
+
+    def digested_conclude(batch, result, times):
+        # what each step decided and what it produced: two versions of the code that decide
+        # alike write the same digest
+        plan = batch.plan
+        digest.update(repr((batch.steps_host, plan.draft_len_host if plan else None, plan.rule_host if plan else None,
+                            list(result.accepted), [list(t) for t in result.tokens])).encode())
+        return conclude(batch, result, times)
+
+    engine._conclude = digested_conclude
     prefill = engine._prefill
     engine._prefill = lambda *a, **kw: _uncounted(counter, prefill, *a, **kw)
     with counter.mode:
@@ -158,17 +178,17 @@ def main(argv=None) -> int:
     n = max(steps[0], 1)
     per_phase = {k: round(v / n, 1) for k, v in counter.by_phase.most_common() if k != "prefill"}
     host = sum(v for k, v in per_phase.items() if k != "target_forward")
-    print(f"{args.policy} at load {args.load}: {n} decode steps, {host:.0f} host operations per step")
+    print(f"{args.policy} at load {args.load}: {n} decode steps, {host:.0f} host operations per step, "
+          f"decisions digest {digest.hexdigest()[:16]}")
     for k, v in per_phase.items():
         print(f"  {k:22s} {v:7.1f}")
     top = [(round(v / n, 2), k) for k, v in counter.by_line.most_common(args.lines)]
     for v, k in top:
         print(f"  {v:6.2f}  {k}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"policy": args.policy, "load": args.load, "pair": args.pair,
-                                              "decode_steps": n, "host_ops_per_step": round(host, 1),
-                                              "ops_per_step": per_phase, "top_lines": top}, indent=1))
+        write_json(args.out, {"policy": args.policy, "load": args.load, "pair": args.pair, "decode_steps": n,
+                              "decisions_digest": digest.hexdigest()[:16], "host_ops_per_step": round(host, 1),
+                              "ops_per_step": per_phase, "top_lines": top})
     return 0
 
 

@@ -13,6 +13,13 @@ from adapt.trace_data import TraceTable
 from tests.policy_fixtures import synthetic_records
 
 
+def test_profile_token_grid_times_every_count_up_to_eight_then_coarser():
+    from adapt.cost_model import profile_token_grid
+
+    assert profile_token_grid(17) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]  # one row of a 16-token block
+    assert profile_token_grid(4 * 17)[-3:] == [24, 32, 64] and profile_token_grid(0) == [1, 2]
+
+
 def test_table_interpolates_and_extrapolates():
     t = Table([1, 8, 64], [5.0, 6.0, 20.0])
     x = torch.tensor([1.0, 4.5, 8.0, 36.0, 64.0, 120.0])

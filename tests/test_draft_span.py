@@ -90,7 +90,8 @@ def test_a_decision_maker_without_draft_span_drafts_the_whole_block():
 
 def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     rows = make_rows(3, K=16)
-    p = policies.get("adaptive", flat_share=0.0)
+    assert policies.get("adaptive").span_headroom == 1  # the default since stop 54
+    p = policies.get("adaptive", flat_share=0.0, span_headroom=2)
     toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
     p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
     assert p.draft_span(rows, [1, 0, 2]) == 4 + 2      # row 2 plans k = 4
@@ -107,7 +108,7 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
 def test_adaptive_prices_drafting_at_the_span_it_drafts():
     from adapt.cost_model import CostModel, Table
     cost = CostModel(draft_pass=Table([1, 8], [4.0, 16.0], "cost.draft_pass"), span_share=0.4, block=16)
-    p = policies.get("adaptive", cost=cost, flat_share=0.0)
+    p = policies.get("adaptive", cost=cost, flat_share=0.0, span_headroom=2)
     rows = make_rows(2, K=16)
     p.choose_steps(rows)
     assert cost.span == 5  # before any span: the headroom over a 3-token plan
@@ -126,21 +127,30 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
     from workers.decisions import DraftFeatures, exact_rules
 
     cost = CostModel(Table([1, 6, 17, 1024], [14.0, 14.5, 28.0, 900.0]), Table([1, 256], [3.0, 3.0]))
-    p = policies.get("adaptive", cost=cost)
+    p = policies.get("adaptive", cost=cost, span_headroom=2)
     rows = make_rows(1, K=16)
     p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     p.choose_steps(rows)
     assert p.draft_span(rows, [1]) == 5
+    # it will verify the whole span whatever the features say: it asks the engine for none
+    assert p.reads_draft_features is False
     conf = torch.zeros(1, 16)
     conf[0, :5] = torch.tensor([0.9, 0.2, 0.1, 0.05, 0.02])  # low: the predictor would drop most
     cond = torch.ones(1, dtype=torch.bool)
     d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
                                             exact_rules(rows.temperature, cond), cond))
     assert d.draft_len.tolist() == [5]
+    zeros = torch.zeros(1, 16)  # what the engine passes when it computed none: the same decision
+    d0 = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), zeros, zeros, zeros,
+                                             exact_rules(rows.temperature, cond), cond))
+    assert d0.draft_len.tolist() == [5] and d0.rule.tolist() == d.rule.tolist()
+    p.choose_steps(rows)
+    assert p.reads_draft_features  # a new step: nothing known yet
     p.flat_share = 0.0  # not flat: the predictor and the greedy decide, within the span
     p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     p.choose_steps(rows)
     p.draft_span(rows, [1])
+    assert p.reads_draft_features
     d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
                                             exact_rules(rows.temperature, cond), cond))
     assert int(d.draft_len[0]) < 5
@@ -177,3 +187,28 @@ def test_a_suffix_row_verifying_past_the_span_beside_a_sampled_diffusion_row():
                 DecodeKnobs(steps=1, draft_len=2))])
     assert got["copy"] == want and len(got["diff"]) == 40
     assert any(q == 2 and k > 2 for k, q in widths)  # the case itself happened
+
+
+def test_the_engine_computes_no_draft_features_for_an_adaptive_policy_that_verifies_every_slot(monkeypatch):
+    """Where verifying every drafted slot is nearly free (`flat_share` large here) the adaptive
+    policy reads no draft features, the engine skips computing them, and greedy output is still
+    the target's own, token for token."""
+    import workers.drafting as drafting
+
+    calls = []
+    inner = drafting.draft_features
+
+    def counted(q):
+        calls.append(q.shape)
+        return inner(q)
+
+    monkeypatch.setattr(drafting, "draft_features", counted)
+    engine = _engine()
+    engine.decisions = policies.get("adaptive", flat_share=100.0, hold_max=0, use_suffix=False)
+    widths = _record_block_widths(engine)
+    got = _run(engine, [DecodeKnobs()] * 4)
+    assert widths and not calls  # it drafted, and computed no features
+    engine.decisions = policies.get("adaptive", flat_share=0.0, hold_max=0, use_suffix=False)
+    _run(engine, [DecodeKnobs()] * 4)
+    assert calls  # a policy that reads them gets them
+    assert got == _run(_engine(), [DecodeKnobs(draft_len=0)] * 4)

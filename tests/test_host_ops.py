@@ -25,3 +25,5 @@ def test_host_ops_counts_each_phase_of_a_step_and_repeats_exactly(tmp_path):
     assert "prefill" not in phases  # prefills are left out of the per-step counts
     assert first["top_lines"] and all(" " in line for _, line in first["top_lines"])
     assert first["ops_per_step"] == second["ops_per_step"] and first["decode_steps"] == second["decode_steps"]
+    # every step's decisions and results, digested: the same on both runs
+    assert len(first["decisions_digest"]) == 16 and first["decisions_digest"] == second["decisions_digest"]

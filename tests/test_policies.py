@@ -372,6 +372,10 @@ def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
     engine.add_request("later", [1, 2, 3], None, None)  # the engine serves normally afterwards
     while engine.has_unfinished():
         engine.step()
+    # by default every token count up to 8 is timed (a compiled forward is not linear between
+    # powers of two there), then coarser counts up to 128
+    default = profile_engine(engine, repeats=1, overhead_steps=2)
+    assert default.verify.xs.tolist()[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 10] and default.verify.xs.tolist()[-1] == 128
 
 
 def test_adaptive_charges_the_drafting_paths_learned_extra_cost():

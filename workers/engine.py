@@ -520,7 +520,7 @@ class Engine:
         kmax = max(k_host)
         layout = None
         if kmax > 0 and any(r != int(Rule.GREEDY) for r in rule_host):
-            layout = RaggedLayout.from_counts(k, sum(k_host))
+            layout = RaggedLayout.from_host_counts(k_host, dev)
         return StepPlan(k, rule, param, param2, k_host, rule_host, p1_host, p2_host, layout)
 
     def _decode(self) -> list[RequestOutput]:
@@ -577,7 +577,7 @@ class Engine:
         B, n = len(k_host), sum(k_host)
         if not self.pack or Tq == 1 or n + B == B * Tq:
             return None
-        lay = plan.layout or RaggedLayout.from_counts(plan.draft_len, n)
+        lay = plan.layout or RaggedLayout.from_host_counts(k_host, self.device)
         return lay.row * Tq + lay.col
 
     @staticmethod

@@ -283,7 +283,7 @@ def section_cost(ctx) -> dict:
     import json
 
     from adapt.controller import profile_engine
-    from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID
+    from adapt.cost_model import DEFAULT_ROW_GRID, profile_token_grid
     from workers.engine import Engine, EngineConfig
 
     max_b = 4 if ctx.quick else 64
@@ -293,7 +293,7 @@ def section_cost(ctx) -> dict:
     K = engine.block
     top = max_b * (K + 1)
     t0 = time.perf_counter()
-    cost = profile_engine(engine, token_grid=[g for g in DEFAULT_TOKEN_GRID if g <= max(top, 2)],
+    cost = profile_engine(engine, token_grid=profile_token_grid(top),
                           row_grid=[r for r in DEFAULT_ROW_GRID if r <= max(max_b, 2)],
                           repeats=2 if ctx.quick else 5, overhead_steps=3 if ctx.quick else 12)
     seconds = time.perf_counter() - t0

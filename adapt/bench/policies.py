@@ -481,11 +481,11 @@ def run(args) -> int:
         pf = fit_policy(table, policy="adaptive", seed=args.seed)
         if engine is not None and args.cost == "profile":
             from adapt.controller import profile_engine
-            from adapt.cost_model import DEFAULT_ROW_GRID, DEFAULT_TOKEN_GRID
+            from adapt.cost_model import DEFAULT_ROW_GRID, profile_token_grid
 
             max_c = engine.config.max_batch  # beyond the grid the tables extrapolate linearly
             top = max_c * (engine.block + 1)
-            pf.cost = profile_engine(engine, token_grid=[g for g in DEFAULT_TOKEN_GRID if g <= max(top, 2)],
+            pf.cost = profile_engine(engine, token_grid=profile_token_grid(top),
                                      row_grid=[r for r in DEFAULT_ROW_GRID if r <= max(max_c, 2)])
             pf.report["cost"] = {"source": "profile", "overhead_ms": pf.cost.overhead_ms}
             log(f"cost: profiled verify(1) {pf.cost.verify.at(1.0):.2f} ms, draft pass(1) "

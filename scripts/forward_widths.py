@@ -1,0 +1,87 @@
+"""What one target forward and one drafter pass cost per width, on the engine the benchmarks use.
+
+The cost model's verify table is indexed by the tokens a target forward takes, and a start-up
+profile times it at a grid of token counts (`adapt.cost_model.PROFILE_TOKEN_GRID`); between grid
+points the table interpolates linearly. This script times, at one row after a prompt of
+``--context`` tokens: the target forward over 1 .. ``--max-tokens`` tokens (as a decode step
+verifies an anchor and its drafts) and the drafter's denoising pass over ``[anchor, MASK x span]``
+for each span (`DrafterContext.block_pass`, the compiled package where it takes the shape). The
+widths take turns in sweeps (a drift of the machine meets every width alike) and each keeps its
+median. Example (stop 54):
+
+    python scripts/forward_widths.py --compile aot --out results/forward-widths-54/smollm2-aot.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--compile", default="aot", choices=("off", "aot"))
+    p.add_argument("--context", type=int, default=400, help="prompt tokens before the timed positions")
+    p.add_argument("--max-tokens", type=int, default=17, help="the widest target forward timed")
+    p.add_argument("--sweeps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from adapt.bench import write_json
+    from adapt.bench.policies import workload_engine
+
+    torch.set_num_threads(args.threads)
+    engine, _ = workload_engine(args.pair, "mixed", 1, args.max_tokens + 8, compile=args.compile)
+    dr, K = engine.drafter, engine.block
+    context = min(args.context, engine.max_len - args.max_tokens - K - 2)
+    start = torch.full((1,), context)
+
+    def forward(t: int) -> None:
+        ids = torch.zeros(1, t, dtype=torch.long)
+        engine.target_forward(ids, start, engine.tcache, 0, context + t, start_value=context)
+
+    def draft(span: int) -> None:
+        W = context + span + 1
+        tokens = torch.zeros(1, span + 1, dtype=torch.long)
+        masked = torch.ones(1, span + 1, dtype=torch.bool)
+        masked[:, 0] = False
+        rope = dr.rope(context + torch.arange(span + 1)[None], dr.mask_embedding.dtype, bound=engine.dcache.max_len)
+        one_pass = engine.drafting.block_pass(engine.dcache.views(0, 1, W), None, rope, 1, span + 1, W)
+        torch.softmax(one_pass(tokens, masked).float(), -1)
+
+    points = [("forward", t) for t in range(1, args.max_tokens + 1)]
+    if dr is not None:
+        points += [("draft", s) for s in range(1, K + 1)]
+    run = {"forward": forward, "draft": draft}
+    times: dict = {pt: [] for pt in points}
+    with torch.inference_mode():
+        for pt in points:  # warm-up
+            run[pt[0]](pt[1])
+        for _ in range(args.sweeps):
+            for pt in points:
+                t0 = time.perf_counter()
+                run[pt[0]](pt[1])
+                times[pt].append(1e3 * (time.perf_counter() - t0))
+    result = {"pair": args.pair, "compile": args.compile, "context": context, "sweeps": args.sweeps,
+              "target_forward_ms": {t: round(statistics.median(times[("forward", t)]), 3)
+                                    for t in range(1, args.max_tokens + 1)},
+              "drafter_pass_ms": {s: round(statistics.median(times[("draft", s)]), 3)
+                                  for s in range(1, K + 1)} if dr is not None else {}}
+    print(json.dumps(result))
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Where a decode step's time goes, per policy, live: `PhaseProbe` around one run of each policy.
+
+Serves SmolLM2's mixed workload (the `scripts/ab_settings.py` scenario) at one load with each
+policy in turn on one engine, for each scenario instance, and prints milliseconds per decode step
+by phase (`adapt.bench.speed_runners.PhaseProbe`: the drafter's passes, the target forward,
+acceptance, the drafter-context commit, the decision maker's calls, the rest), plus, for the
+adaptive policy, three parts of its decisions (the suffix choice, the step plan, the verify
+decision). The runs follow one another, so a drift of the machine between them moves their ratio
+(use `scripts/ab_settings.py --interleave` to compare policies); the phases of one run are what it
+shows. Example (stop 54):
+
+    python scripts/phase_times.py --policies suffix,adaptive --instances 0,1 --out results/policies-smollm2-54/phases-l1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DECISION_PARTS = ("_take_suffix", "_plan_steps", "_verify_drafts")  # AdaptivePolicy methods timed apart
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--policies", default="suffix,adaptive")
+    p.add_argument("--load", type=int, default=1)
+    p.add_argument("--instances", default="0")
+    p.add_argument("--compile", default="aot", choices=("off", "aot"))
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from adapt.bench import write_json
+    from adapt.bench.interleave import scenario_instance
+    from adapt.bench.live import run_live
+    from adapt.bench.policies import make_policy, workload_engine
+    from adapt.bench.speed_runners import PhaseProbe
+    from adapt.controller import build_policy, profile_engine
+    from adapt.policy_file import load
+    from adapt.replay import Scenario, make_mix
+    from policies.adaptive import AdaptivePolicy
+
+    torch.set_num_threads(2)
+    engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
+    pf = load(str(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json"))
+    pf.cost = profile_engine(engine)
+    K = engine.block
+    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    mix = make_mix(max(args.requests, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
+    grid = tuple(pf.settings.get("steps_grid", (1,)))
+    parts: collections.Counter = collections.Counter()
+
+    def timed(name):
+        inner = getattr(AdaptivePolicy, name)
+
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                parts[name] += time.perf_counter() - t0
+
+        return call
+
+    saved = {n: getattr(AdaptivePolicy, n) for n in DECISION_PARTS}
+    for n in DECISION_PARTS:
+        setattr(AdaptivePolicy, n, timed(n))
+    out = {}
+    try:
+        for inst in [int(x) for x in args.instances.split(",")]:
+            served, seed = scenario_instance(prompts, inst, len(mix))
+            for name in [n.strip() for n in args.policies.split(",")]:
+                policy = (build_policy("adaptive", pf, steps_grid=grid) if name == "adaptive"
+                          else make_policy(name, pf, steps_grid=grid, width=K))
+                run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
+                parts.clear()
+                with PhaseProbe(engine) as probe:
+                    run_live(engine, policy, Scenario("mix", args.load, mix), served, seed=seed)
+                r = probe.report()
+                n = max(r["decode_steps"], 1)
+                r["decision_parts_ms"] = {k: round(1e3 * v / n, 3) for k, v in parts.items()}
+                print(inst, name, json.dumps(r), flush=True)
+                out[f"{name}-{inst}"] = r
+    finally:
+        for n, f in saved.items():
+            setattr(AdaptivePolicy, n, f)
+    if args.out:
+        write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

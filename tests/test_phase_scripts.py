@@ -1,0 +1,30 @@
+"""scripts/phase_times.py and scripts/alone_vs_interleaved.py on the demo pair (eager, a few requests)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.script_loader import load_script
+
+
+def test_phase_times_reports_each_phase_and_the_adaptive_decision_parts(tmp_path):
+    out = tmp_path / "phases.json"
+    assert load_script("phase_times").main(["--pair", "demo", "--compile", "off", "--policies", "ar,adaptive",
+                                             "--requests", "4", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"ar-0", "adaptive-0"}
+    for r in result.values():
+        assert r["decode_steps"] > 0 and r["step_ms"] > 0
+        assert {"verify_forward", "decisions", "bookkeeping"} <= set(r["phases_ms"])
+    assert result["ar-0"]["decision_parts_ms"] == {}  # a baseline runs none of the adaptive policy's parts
+    assert "_plan_steps" in result["adaptive-0"]["decision_parts_ms"]
+
+
+def test_alone_vs_interleaved_runs_each_policy_alone_twice_and_both_interleaved(tmp_path):
+    out = tmp_path / "alone.json"
+    assert load_script("alone_vs_interleaved").main(["--pair", "demo", "--policies", "ar,suffix", "--load", "1",
+                                                      "--requests", "3", "--max-tokens", "8",
+                                                      "--out", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["policies"] == ["ar", "suffix"] and len(rec["alone_a"]) == len(rec["alone_b"]) == 2
+    assert len(rec["interleaved"]) == 2 and rec["b_over_a_alone"] > 0 and rec["b_over_a_interleaved"] > 0
