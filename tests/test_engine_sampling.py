@@ -72,18 +72,18 @@ def chi2_pvalue(samples: list[tuple[int, int, int]], law: torch.Tensor) -> float
     return float(chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue)
 
 
-def test_every_exact_configuration_samples_the_target(pair):
-    target, drafter = pair
-    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32))
-    names = list(CONFIGS)
-    pending = [(f"{names[i % len(names)]}/{i}", i) for i in range(N * len(names))]
-    rules_seen = {name: set() for name in names}
-    accepted = {name: 0 for name in names}
+def sample_configs(engine: Engine, configs: dict, n: int) -> tuple[dict, dict, dict]:
+    """Serve `n` seeded requests of each configuration of `configs` (name: (knobs, temperature,
+    top_k, top_p, rule)) through `engine`, as many at once as it holds. Returns (outputs by
+    request id, the rules each configuration's drafting steps used, its accepted drafts)."""
+    pending = [(f"{name}/{i}", i) for i in range(n) for name in configs]
+    rules_seen = {name: set() for name in configs}
+    accepted = {name: 0 for name in configs}
     outs: dict[str, list[int]] = {}
     while pending or engine.has_unfinished():
         while pending and len(engine.waiting) + len(engine.running) < engine.config.max_batch:
             rid, seed = pending.pop()
-            knobs, temp, top_k, top_p, _ = CONFIGS[rid.split("/")[0]]
+            knobs, temp, top_k, top_p, _ = configs[rid.split("/")[0]]
             engine.add_request(rid, PROMPT, SamplingParams(max_tokens=6, temperature=temp, top_k=top_k, top_p=top_p,
                                                            seed=seed, ignore_eos=True), knobs)
         for o in engine.step():
@@ -93,6 +93,13 @@ def test_every_exact_configuration_samples_the_target(pair):
                 rules_seen[name].add(o.stats["rules_used"])
             if o.finished:
                 accepted[name] += o.stats["accepted"]
+    return outs, rules_seen, accepted
+
+
+def test_every_exact_configuration_samples_the_target(pair):
+    target, drafter = pair
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32))
+    outs, rules_seen, accepted = sample_configs(engine, CONFIGS, N)
     for name, (knobs, temp, top_k, top_p, rule) in CONFIGS.items():
         samples = [tuple(toks[1:4]) for rid, toks in outs.items() if rid.startswith(name + "/")]
         assert len(samples) == N
@@ -175,3 +182,30 @@ def test_packed_verification_changes_no_token(pair):
     assert got["on"]["f0:stats"]["verified"] > 0
     with pytest.raises(Exception, match="pack"):
         Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", pack="sometimes"))
+
+
+SHARP = {"s1-rejection": CONFIGS["s1-rejection"], "s2-confidence-match": CONFIGS["s2-confidence-match"],
+         "s1-rejection-topk-topp": CONFIGS["s1-rejection-topk-topp"]}
+
+
+def test_sharpened_drafts_still_sample_the_target(pair):
+    """A drafter sampling at a lower temperature than the row's (`draft_temperature_scale`) changes
+    which drafts are proposed, never the law of the output: rejection sampling reads the q each
+    draft was drawn from. The drafts differ (the accepted counts move) and each law passes."""
+    target, drafter = pair
+    accepted = {}
+    for scale in (1.0, 0.3):
+        engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=96, max_len=32,
+                                     draft_temperature_scale=scale))
+        assert engine.drafting.temperature_scale == scale
+        outs, _, accepted[scale] = sample_configs(engine, SHARP, N)
+        if scale == 1.0:
+            continue
+        for name, (knobs, temp, top_k, top_p, _) in SHARP.items():
+            samples = [tuple(t[1:4]) for rid, t in outs.items() if rid.startswith(name + "/")]
+            p = chi2_pvalue(samples, exact_law(target, temp, top_k, top_p))
+            assert p > 1e-3, f"{name} at scale {scale}: the sampled law departs from the target's (p = {p:.2e})"
+            assert accepted[scale][name] > N // 8
+    assert accepted[0.3] != accepted[1.0]  # the scale reached the drafter
+    with pytest.raises(Exception, match="draft_temperature_scale"):
+        Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", draft_temperature_scale=0.0))

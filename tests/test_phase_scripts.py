@@ -1,4 +1,5 @@
-"""scripts/phase_times.py and scripts/alone_vs_interleaved.py on the demo pair (eager, a few requests)."""
+"""scripts/phase_times.py, scripts/alone_vs_interleaved.py and scripts/draft_temperature.py on the demo
+pair (eager, a few requests)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,18 @@ def test_alone_vs_interleaved_runs_each_policy_alone_twice_and_both_interleaved(
     (rec,) = json.loads(out.read_text())
     assert rec["policies"] == ["ar", "suffix"] and len(rec["alone_a"]) == len(rec["alone_b"]) == 2
     assert len(rec["interleaved"]) == 2 and rec["b_over_a_alone"] > 0 and rec["b_over_a_interleaved"] > 0
+
+
+def test_draft_temperature_reports_tau_per_kind_and_scale(tmp_path):
+    """scripts/draft_temperature.py: one row per (kind, scale), τ a count of tokens per target pass,
+    each kind's ratios against its first scale; the engine's scale is restored afterwards."""
+    out = tmp_path / "dt.json"
+    assert load_script("draft_temperature").main(["--pair", "demo", "--compile", "off", "--kinds", "chat,code",
+                                                   "--scales", "1,0.5", "--requests", "2", "--max-tokens", "8",
+                                                   "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["kind"], r["scale"]) for r in rows] == [("chat", 1.0), ("chat", 0.5), ("code", 1.0), ("code", 0.5)]
+    assert all(r["tau"] >= 1.0 and r["tokens"] == 16 for r in rows)
+    assert rows[0]["tau_ratio"] == rows[2]["tau_ratio"] == 1.0
+    assert rows[1]["tau_ratio"] == round(rows[1]["tau"] / rows[0]["tau"], 4)

@@ -115,8 +115,10 @@ class DrafterContext:
     the drafter's one denoising pass (`BlockDiffusionDrafter.block_logits`, maybe compiled)."""
 
     def __init__(self, drafter, context_kv, draft_pass, max_batch: int, capacity: int, width: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, temperature_scale: float = 1.0):
         dc = drafter.config
+        # a sampled row's draft is drawn at its temperature times this (`EngineConfig.draft_temperature_scale`)
+        self.temperature_scale = float(temperature_scale)
         self.drafter, self.context_kv, self.draft_pass = drafter, context_kv, draft_pass
         self.block, self.vocab, self.device = dc.block_size, dc.vocab_size, device
         self.cache = KVCache(dc.num_layers, max_batch, dc.num_kv_heads, capacity, dc.head_dim, dtype=dtype, device=device)
@@ -247,8 +249,11 @@ class DrafterContext:
         # drawn for the whole block (a row's generator advances alike whatever the span)
         uniforms = draw_uniforms([running[i].generator for i in rows], steps, self.block, dev)
         uniforms = None if uniforms is None else uniforms[..., :K]
+        temperature = pick(batch.temperature)  # [Bd]; 0 stays 0 (greedy rows draft by argmax)
+        if self.temperature_scale != 1.0:
+            temperature = temperature * self.temperature_scale
         return denoise(self.block_pass(ctx, mask, rope, Bd, K + 1, W, everyone), pick(batch.anchors),
-                       steps, K, pick(batch.temperature), pick(batch.top_k), pick(batch.top_p),
+                       steps, K, temperature, pick(batch.top_k), pick(batch.top_p),
                        pick(batch.left_to_right), uniforms, self.vocab_ids)
 
 

@@ -102,7 +102,12 @@ class EngineConfig:
     prefills of prompts of unequal lengths are packed the same way; admission: "all" | "sla",
     which waiting requests a step prefills (workers/admission.py: "all" = every one there is a
     slot for; "sla" = defer them while their prefill would push a running row off its TPOT
-    target, each for at most admission_max_wait_ms or its TTFT target)."""
+    target, each for at most admission_max_wait_ms or its TTFT target); draft_temperature_scale:
+    the drafter draws a sampled row's draft at the row's temperature times this (1 = the row's
+    own; below 1 sharpens the drafter's distribution q towards its likeliest tokens). Exactness
+    does not depend on it: rejection sampling is exact for whatever q a draft was drawn from, and
+    acceptance reads that q (workers/drafting.py `denoise`); only how many drafts the target
+    accepts does (`scripts/draft_temperature.py` measures it)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -122,6 +127,7 @@ class EngineConfig:
     pack: bool | str = "auto"
     admission: str = "all"
     admission_max_wait_ms: float = 1000.0
+    draft_temperature_scale: float = 1.0
 
 
 
@@ -133,6 +139,9 @@ class Engine:
         self.config = config
         if config.max_batch < 1:
             raise EngineInputError(f"max_batch must be >= 1, got {config.max_batch}")
+        if not 0.0 < config.draft_temperature_scale <= 4.0:
+            raise EngineInputError("draft_temperature_scale must be in (0, 4], got "
+                                   f"{config.draft_temperature_scale}")
         dev = config.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -210,7 +219,8 @@ class Engine:
                 draft_pass = compile_forward(self.drafter, "block_logits")
                 context_kv = compile_forward(self.drafter, "context_kv", bound=cap)
             self.drafting = DrafterContext(self.drafter, context_kv, draft_pass, config.max_batch, cap,
-                                           len(self.capture) * tcfg.hidden_size, self.dtype, self.device)
+                                           len(self.capture) * tcfg.hidden_size, self.dtype, self.device,
+                                           temperature_scale=config.draft_temperature_scale)
             if self.aot:  # the denoising passes over every row from the drafter's package
                 self._load_aot_drafter(config.aot_build)
         if self.compiled:  # the buffers' shapes are constants of the compiled programs
