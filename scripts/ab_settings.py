@@ -29,6 +29,10 @@ few-token calls, beside the same policy on the default engine), and its policy p
 start-up profile of that engine (`profile_engine`), as a worker of that config would. Keys
 ``profile.ARG`` give that variant's policy its own start-up profile of its engine, taken with
 `profile_engine` argument ARG (e.g. ``--variant fine:profile.token_grid=@grid.json``, a JSON list).
+``--static-variant NAME:base=STATIC,engine.FIELD=value`` runs a static configuration on an engine of
+its own config and counts it among the static configurations every paired ratio takes the best of
+(e.g. ``suffix-pad:base=suffix,engine.aot_pad=true``: static suffix drafting with padded few-token
+calls, stop 55).
 
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
 per step, held share (adaptive), the two SLA targets (``sla_ms``: tight and loose, ``--sla-ms``), draft sources and (adaptive) the suffix calibration (mean
@@ -54,14 +58,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adapt.bench.policies import BASELINES  # noqa: E402  (the static configurations a run may compare with)
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
+def parse_variant(text: str, text_keys: tuple[str, ...] = ()) -> tuple[str, dict]:
     """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans),
-    or ``@PATH``: the JSON in that file (a table, e.g. an earlier ``suffix_accept``)."""
+    or ``@PATH``: the JSON in that file (a table, e.g. an earlier ``suffix_accept``); the values of
+    `text_keys` are kept as plain strings."""
     name, _, body = text.partition(":")
     settings = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
         value = value.strip()
+        if key.strip() in text_keys:  # a plain string (a static variant's base name)
+            settings[key.strip()] = value
+            continue
         settings[key.strip()] = json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
     return name, settings
 
@@ -102,6 +110,10 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:key=value,... (adaptive settings; keys engine.FIELD set that run's own engine's "
                         "EngineConfig field instead, e.g. engine.aot_pad=true; needs --interleave)")
+    p.add_argument("--static-variant", action="append", default=[],
+                   help="NAME:base=STATIC,engine.FIELD=value,... a static configuration (of --static's names) on an "
+                        "engine of its own config, compared with as a static configuration too, e.g. "
+                        "suffix-pad:base=suffix,engine.aot_pad=true; needs --interleave")
     p.add_argument("--admission", default="all",
                    help="engine admission modes, comma-separated (workers/admission.py); every policy runs under "
                         "each, named NAME+MODE for modes other than 'all'")
@@ -133,6 +145,14 @@ def main(argv=None) -> int:
     if args.sla_ms is not None and not args.sla_ms > 0:
         p.error(f"--sla-ms must be positive, got {args.sla_ms}")
     variants = dict(parse_variant(v) for v in args.variant)
+    static_variants = dict(parse_variant(v, text_keys=("base",)) for v in args.static_variant)
+    for n, st in static_variants.items():
+        bad = [k for k in st if k != "base" and not k.startswith("engine.")]
+        if st.get("base") not in BASELINES and _static_len(str(st.get("base"))) is None or bad:
+            p.error(f"--static-variant {n}: base=STATIC (of {', '.join(BASELINES)} or static-K) and engine.FIELD "
+                    f"keys only, got {st}")
+    if static_variants and not args.interleave:
+        p.error("--static-variant needs --interleave (a run of its own engine)")
     # engine.FIELD keys: that variant's own engine's config (with --interleave, where each run has one);
     # profile.ARG keys: that variant plans with its own profile of its engine (`profile_engine` ARG)
     engine_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("engine.")}
@@ -140,6 +160,9 @@ def main(argv=None) -> int:
     profile_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("profile.")}
                         for n, st in variants.items()}
     variants = {n: {k: v for k, v in st.items() if not k.startswith(("engine.", "profile."))} for n, st in variants.items()}
+    engine_settings.update({n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("engine.")}
+                            for n, st in static_variants.items()})
+    baselines += list(static_variants)
     if any(engine_settings.values()) and not args.interleave:
         p.error("--variant with engine.FIELD settings needs --interleave (a run of its own engine)")
 
@@ -149,21 +172,21 @@ def main(argv=None) -> int:
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.cost_model import CostModel
-    from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix, profiled_policy_file, tight_tpot_ms
+    from adapt.replay import Scenario
 
     torch.set_num_threads(args.threads)
     loads = [int(x) for x in args.loads.split(",")]
     longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
     engine, prompts = workload_engine(args.pair, args.workload, max(loads), longest, compile=args.compile,
                                       aot_pad=args.aot_pad == "on")
-    pf = load(args.policy_file)
-    pf.cost = profile_engine(engine)
+    pf = profiled_policy_file(args.policy_file, engine)
     K = engine.block
-    t1 = args.sla_ms if args.sla_ms is not None else float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
+    t1 = args.sla_ms if args.sla_ms is not None else tight_tpot_ms(pf.cost, K)
     grid = tuple(pf.settings.get("steps_grid", (1,)))
 
     def make(name):
+        name = static_variants.get(name, {}).get("base", name)  # a static variant runs its base's policy
         k = _static_len(name)
         if k is not None:
             return build_policy("static", pf, draft_len=k)
@@ -200,7 +223,8 @@ def main(argv=None) -> int:
         return m
 
     for c in loads:
-        mix = make_mix(max(24, 2 * c), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
+        mix = evaluation_mix(pf.cost, K, max(24, 2 * c), max_tokens=args.max_tokens, length_spread=args.length_spread,
+                             tight_ms=t1)
         runs = {n: [] for n in names}
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]

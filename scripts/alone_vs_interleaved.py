@@ -47,17 +47,15 @@ def main(argv=None) -> int:
     from adapt.bench import write_json
     from adapt.bench.interleave import engine_copies, run_round, scenario_instance
     from adapt.bench.policies import make_policy, workload_engine
-    from adapt.controller import build_policy, profile_engine
-    from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
+    from adapt.controller import build_policy
+    from adapt.replay import Scenario
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine(args.pair, "mixed", args.load, args.max_tokens + 33, compile=args.compile)
-    pf = load(str(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json"))
-    pf.cost = profile_engine(engine)
+    pf = profiled_policy_file(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json", engine)
     K = engine.block
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    mix = make_mix(args.requests or max(24, 2 * args.load), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=0.5)
+    mix = evaluation_mix(pf.cost, K, args.requests or max(24, 2 * args.load), max_tokens=args.max_tokens)
     grid = tuple(pf.settings.get("steps_grid", (1,)))
 
     def make(name):

@@ -6,16 +6,20 @@ points the table interpolates linearly. This script times, at one row after a pr
 ``--context`` tokens: the target forward over 1 .. ``--max-tokens`` tokens (as a decode step
 verifies an anchor and its drafts) and the drafter's denoising pass over ``[anchor, MASK x span]``
 for each span (`DrafterContext.block_pass`, the compiled package where it takes the shape). The
-widths take turns in sweeps (a drift of the machine meets every width alike) and each keeps its
-median. Example (stop 54):
+widths take turns in sweeps, in a new shuffled order each sweep (a drift of the machine meets
+every width alike, and so does the slower call right after the other model's: before stop 55 the
+order was fixed, and the first forward of each sweep read slower than the next: 21.3 ms for one
+token against 18.5 ms for two in stop 55's first run, monotone once shuffled), and each keeps its
+median. Example (stop 55):
 
-    python scripts/forward_widths.py --compile aot --out results/forward-widths-54/smollm2-aot.json
+    python scripts/forward_widths.py --compile aot --out results/forward-widths-55/smollm2-aot.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -64,10 +68,14 @@ def main(argv=None) -> int:
         points += [("draft", s) for s in range(1, K + 1)]
     run = {"forward": forward, "draft": draft}
     times: dict = {pt: [] for pt in points}
+    order = random.Random(0)
     with torch.inference_mode():
         for pt in points:  # warm-up
             run[pt[0]](pt[1])
         for _ in range(args.sweeps):
+            # a new order every sweep: a call right after the other model's is slower (its weights
+            # left the caches), and a fixed order would charge that to the same points every time
+            order.shuffle(points)
             for pt in points:
                 t0 = time.perf_counter()
                 run[pt[0]](pt[1])

@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix
+    from adapt.replay import Scenario
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
@@ -136,8 +137,7 @@ def main(argv=None) -> int:
     if args.profile:  # the machine's step costs now (else the policy file's: a repeatable run)
         pf.cost = profile_engine(engine)
     K = engine.block
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    mix = make_mix(max(24, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
+    mix = evaluation_mix(pf.cost, K, max(24, 2 * args.load))
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     # hold_share 0: a plain decision is held whatever the decision's own CPU time (which the share
     # test reads, and which varies from run to run)

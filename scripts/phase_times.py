@@ -44,18 +44,16 @@ def main(argv=None) -> int:
     from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.bench.speed_runners import PhaseProbe
-    from adapt.controller import build_policy, profile_engine
-    from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
+    from adapt.controller import build_policy
+    from adapt.replay import Scenario
     from policies.adaptive import AdaptivePolicy
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
-    pf = load(str(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json"))
-    pf.cost = profile_engine(engine)
+    pf = profiled_policy_file(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json", engine)
     K = engine.block
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    mix = make_mix(max(args.requests, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
+    mix = evaluation_mix(pf.cost, K, max(args.requests, 2 * args.load))
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     parts: collections.Counter = collections.Counter()
 

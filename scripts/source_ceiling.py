@@ -95,19 +95,16 @@ def main(argv=None) -> int:
     from adapt.bench.interleave import engine_copies, run_interleaved
     from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
-    from adapt.controller import profile_engine
-    from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
+    from adapt.replay import Scenario
     from workers.traces import ListTraceSink
 
     torch.set_num_threads(args.threads)
     longest = round(args.max_tokens * (1.0 + args.length_spread)) + 1
     engine, prompts = workload_engine(args.pair, args.workload, 1, longest, compile=args.compile)
-    pf = load(args.policy_file)
-    pf.cost = profile_engine(engine)
+    pf = profiled_policy_file(args.policy_file, engine)
     K = engine.block
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    mix = make_mix(max(args.requests, 4), t1, 4 * t1, max_tokens=args.max_tokens, length_spread=args.length_spread)
+    mix = evaluation_mix(pf.cost, K, max(args.requests, 4), max_tokens=args.max_tokens, length_spread=args.length_spread)
     grid = tuple(pf.settings.get("steps_grid", (1,)))
     engines = engine_copies(engine, 2)
     policies = [make_policy(n, pf, steps_grid=grid, width=K) for n in ("suffix", "adaptive")]

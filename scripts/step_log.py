@@ -71,18 +71,17 @@ def main(argv=None) -> int:
     from adapt.bench.interleave import engine_copies, run_interleaved, scenario_instance
     from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
-    from adapt.controller import build_policy, profile_engine
-    from adapt.policy_file import load
-    from adapt.replay import Scenario, make_mix
+    from adapt.bench.evaluation import evaluation_mix, profiled_policy_file, tight_tpot_ms
+    from adapt.controller import build_policy
+    from adapt.replay import Scenario
     from policies.base import rows_per_pass
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine("smollm2", args.workload, args.load, 97, compile="aot")
-    pf = load(args.policy_file)
-    pf.cost = profile_engine(engine)
+    pf = profiled_policy_file(args.policy_file, engine)
     K = engine.block
-    t1 = args.sla_ms or float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    mix = make_mix(max(24, 2 * args.load), t1, 4 * t1, max_tokens=64, length_spread=0.5)
+    t1 = args.sla_ms or tight_tpot_ms(pf.cost, K)
+    mix = evaluation_mix(pf.cost, K, max(24, 2 * args.load), tight_ms=t1)
     settings = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.set)}
     log: list[dict] = []
 

@@ -111,15 +111,12 @@ def main(argv=None) -> int:
     else:
         from adapt.bench.live import run_live
         from adapt.bench.policies import make_policy
-        from adapt.controller import profile_engine
-        from adapt.policy_file import load
-        from adapt.replay import Scenario, make_mix
+        from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
+        from adapt.replay import Scenario
         from workers.traces import ListTraceSink
 
-        pf = load(args.policy_file)
-        pf.cost = profile_engine(engine)
-        t1 = float(pf.cost.step_ms(float(engine.block + 1), torch.tensor([1])))
-        mix = make_mix(24, t1, 4 * t1, max_tokens=args.max_tokens, length_spread=0.5)
+        pf = profiled_policy_file(args.policy_file, engine)
+        mix = evaluation_mix(pf.cost, engine.block, 24, max_tokens=args.max_tokens)
         for name in ("adaptive", "suffix"):
             sink = ListTraceSink()
             policy = make_policy(name, pf, steps_grid=tuple(pf.settings.get("steps_grid", (1,))), width=engine.block)

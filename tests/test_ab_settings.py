@@ -68,7 +68,8 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
 
 def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     """``--interleave``: the rows of a round run side by side (adapt/bench/interleave.py), each on its
-    own engine, and carry the same fields as runs made one after another."""
+    own engine, and carry the same fields as runs made one after another; a static variant runs its
+    base on an engine of its own config and counts among the static configurations."""
     from adapt.commands.policy import fit_policy
     from adapt.policy_file import save
     from tests.policy_fixtures import synthetic_records
@@ -79,23 +80,25 @@ def test_interleaved_ab_run_gives_each_policy_its_own_engine(tmp_path):
     assert _script().main(["--pair", "demo", "--workload", "mixed", "--policy-file", str(policy), "--loads", "2",
                            "--rounds", "2", "--max-tokens", "8", "--threads", "1", "--interleave",
                            "--sla-ms", "40", "--static", "ar,suffix,static-4", "--out", str(out),
+                           "--static-variant", "suffix-nopack:base=suffix,engine.pack=false",
                            "--variant", "nopack:engine.pack=false,hold_max=0", "--no-instances"]) == 0
     rows = json.loads(out.read_text())
     assert all(r["instances"] is False for r in rows)  # every round the same instance
-    assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "adaptive", "nopack"]
+    assert [r["policy"] for r in rows] == ["ar", "suffix", "static-4", "suffix-nopack", "adaptive", "nopack"]
     # a variant's engine.FIELD keys configure its own engine; the rest are the policy's settings
-    assert rows[4]["engine"] == {"pack": False} and rows[4]["settings"] == {"hold_max": 0}
-    assert rows[3]["engine"] == {} and len(rows[4]["paired_ratio_rounds"]) == 2
+    assert rows[5]["engine"] == {"pack": False} and rows[5]["settings"] == {"hold_max": 0}
+    assert rows[3]["engine"] == {"pack": False} and rows[3]["source_share"].get("diffusion", 0) == 0
+    assert rows[4]["engine"] == {} and len(rows[5]["paired_ratio_rounds"]) == 2
     assert rows[2]["source_share"].get("diffusion", 0) > 0  # static-4 drafts with the diffusion drafter
-    best = [max(r["goodput_rounds"][i] for r in rows[:3]) for i in range(2)]
-    assert rows[3]["paired_ratio_rounds"] == pytest.approx([rows[3]["rounds"][i]["goodput_tok_s"] / best[i]
+    best = [max(r["goodput_rounds"][i] for r in rows[:4]) for i in range(2)]
+    assert rows[4]["paired_ratio_rounds"] == pytest.approx([rows[4]["rounds"][i]["goodput_tok_s"] / best[i]
                                                             for i in range(2)], rel=0.01)
     assert all(r["sla_ms"] == [40.0, 160.0] for r in rows)  # fixed targets, not this run's profile
     for r in rows:
         assert len(r["goodput_rounds"]) == 2 and r["goodput_tok_s"] > 0 and 0.0 <= r["sla_attainment"] <= 1.0
-    assert len(rows[3]["paired_ratio_rounds"]) == 2 and rows[3]["paired_ratio"] > 0
-    assert "paired_ratio" not in rows[2]  # a static row is a reference, not compared
-    assert set(rows[3]["suffix_accept"]) == {"drafts", "ratio"}
+    assert len(rows[4]["paired_ratio_rounds"]) == 2 and rows[4]["paired_ratio"] > 0
+    assert "paired_ratio" not in rows[2] and "paired_ratio" not in rows[3]  # static rows are references
+    assert set(rows[4]["suffix_accept"]) == {"drafts", "ratio"}
 
 
 def test_engine_settings_of_a_variant_need_interleaved_runs(tmp_path, capsys):
@@ -103,3 +106,11 @@ def test_engine_settings_of_a_variant_need_interleaved_runs(tmp_path, capsys):
         _script().main(["--policy-file", str(tmp_path / "p.json"), "--variant", "pad:engine.aot_pad=true",
                         "--out", str(tmp_path / "o")])
     assert exc.value.code == 2 and "--interleave" in capsys.readouterr().err
+
+
+def test_a_static_variant_names_its_base_and_engine_fields_only(tmp_path, capsys):
+    for bad in ("x:engine.pack=false", "x:base=nonsense", "x:base=suffix,hold_max=0"):
+        with pytest.raises(SystemExit) as exc:
+            _script().main(["--policy-file", str(tmp_path / "p.json"), "--interleave", "--static-variant", bad,
+                            "--out", str(tmp_path / "o")])
+        assert exc.value.code == 2 and "--static-variant x" in capsys.readouterr().err

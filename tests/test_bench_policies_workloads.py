@@ -198,3 +198,20 @@ def test_bench_policies_interleaved_live_rows(tiny, tmp_path):
     assert live["ar"]["tau"] == 1.0 and live["ar"]["source_share"]["none"] == 1.0
     assert live["suffix"]["source_share"]["diffusion"] == 0.0
     assert "gain_vs_best_static" in live["adaptive"]
+
+
+def test_evaluation_mix_prices_its_targets_on_the_cost_model():
+    """The scripts' shared mix: the tight target is the cost model's whole-block step at one row,
+    the loose one four times it; an explicit tight target replaces it; the rest is `make_mix`'s."""
+    import torch
+
+    from adapt.bench.evaluation import evaluation_mix, tight_tpot_ms
+
+    t1 = tight_tpot_ms(COST, 16)
+    assert t1 == pytest.approx(float(COST.step_ms(17.0, torch.tensor([1]))))
+    mix = evaluation_mix(COST, 16, 6, max_tokens=32)
+    assert mix == make_mix(6, t1, 4 * t1, max_tokens=32, length_spread=0.5)
+    assert sorted({r.targets.tpot_ms for r in mix}) == pytest.approx([t1, 4 * t1])
+    fixed = evaluation_mix(COST, 16, 3, tight_ms=30.0, length_spread=0.0)
+    assert [r.targets.tpot_ms for r in fixed] == [30.0, 120.0, 120.0]
+    assert all(r.max_tokens == 64 for r in fixed)

@@ -380,6 +380,7 @@ def run(args) -> int:
     from adapt.policy_file import load, save
     from adapt.replay import RecordPool, Scenario, make_mix, replay
     from adapt.trace_data import TraceTable, read_records
+    from adapt.bench.evaluation import tight_tpot_ms
     from adapt.bench.interleave import engine_copies, run_round, scenario_instance
     from adapt.bench.live import collect_traces, run_live
     from adapt.commands.policy import fit_policy
@@ -497,8 +498,8 @@ def run(args) -> int:
         log(f"fit: draft ECE {pf.report['draft']['ece_uncalibrated']:.4f} -> {pf.report['draft']['ece']:.4f}; "
             f"suffix acceptance from {pf.report.get('suffix', {}).get('records', 0)} records")
     K = int(table.block.max())
-    t1 = float(pf.cost.step_ms(float(K + 1), torch.tensor([1])))
-    tight, loose = t1, 4.0 * t1
+    tight = tight_tpot_ms(pf.cost, K)
+    loose = 4.0 * tight
     log(f"TPOT targets: tight {tight:.1f} ms, loose {loose:.1f} ms")
     steps_grid = tuple(pf.settings.get("steps_grid", (1,)))
 
