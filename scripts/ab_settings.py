@@ -213,7 +213,7 @@ def main(argv=None) -> int:
 
             engines[n] = Engine(dataclasses.replace(engine.config, **own))
         profile = profile_settings.get(n.partition("+")[0])
-        if own or profile:
+        if (own or profile) and n.partition("+")[0] in variants:  # a static variant plans nothing
             own_cost[n.partition("+")[0]] = profile_engine(engines[n], **(profile or {}))
 
     def with_stats(policy, m):

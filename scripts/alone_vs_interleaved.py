@@ -48,7 +48,6 @@ def main(argv=None) -> int:
     from adapt.bench.interleave import engine_copies, run_round, scenario_instance
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
-    from adapt.controller import build_policy
     from adapt.replay import Scenario
 
     torch.set_num_threads(2)
@@ -58,11 +57,6 @@ def main(argv=None) -> int:
     mix = evaluation_mix(pf.cost, K, args.requests or max(24, 2 * args.load), max_tokens=args.max_tokens)
     grid = tuple(pf.settings.get("steps_grid", (1,)))
 
-    def make(name):
-        if name == "adaptive":
-            return build_policy("adaptive", pf, steps_grid=grid)
-        return make_policy(name, pf, steps_grid=grid, width=K)
-
     engines = engine_copies(engine, 2)
     warm, scenario = Scenario("warm", min(args.load, 4), mix[:4]), Scenario("mix", args.load, mix)
     out = []
@@ -71,12 +65,12 @@ def main(argv=None) -> int:
         alone: list[list[float]] = [[], []]
 
         def run_alone(i: int) -> None:
-            m = run_round([engines[i]], [make(names[i])], warm, scenario, served, interleave=False, seed=seed)[0]
+            m = run_round([engines[i]], [make_policy(names[i], pf, steps_grid=grid, width=K)], warm, scenario, served, interleave=False, seed=seed)[0]
             alone[i].append(round(m["goodput_tok_s"], 2))
 
         run_alone(0)
         run_alone(1)
-        both = run_round(engines, [make(n) for n in names], warm, scenario, served, interleave=True, seed=seed)
+        both = run_round(engines, [make_policy(n, pf, steps_grid=grid, width=K) for n in names], warm, scenario, served, interleave=True, seed=seed)
         run_alone(1)
         run_alone(0)
         both_tok_s = [round(m["goodput_tok_s"], 2) for m in both]

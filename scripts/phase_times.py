@@ -45,7 +45,6 @@ def main(argv=None) -> int:
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.bench.speed_runners import PhaseProbe
     from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
-    from adapt.controller import build_policy
     from adapt.replay import Scenario
     from policies.adaptive import AdaptivePolicy
 
@@ -77,8 +76,7 @@ def main(argv=None) -> int:
         for inst in [int(x) for x in args.instances.split(",")]:
             served, seed = scenario_instance(prompts, inst, len(mix))
             for name in [n.strip() for n in args.policies.split(",")]:
-                policy = (build_policy("adaptive", pf, steps_grid=grid) if name == "adaptive"
-                          else make_policy(name, pf, steps_grid=grid, width=K))
+                policy = make_policy(name, pf, steps_grid=grid, width=K)
                 run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
                 parts.clear()
                 with PhaseProbe(engine) as probe:
