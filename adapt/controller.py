@@ -206,7 +206,7 @@ PROFILE_SPAN = 4  # drafts per speculative step when profiling the drafting extr
 
 @torch.inference_mode()
 def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_ROW_GRID[:7],
-                   context: int = 64, repeats: int = 5, overhead_steps: int = 12) -> CostModel:
+                   context: int = 64, repeats: int = 5, overhead_steps: int = 12, shuffle: bool = True) -> CostModel:
     """Time ``engine``'s target forward per token count and drafter pass per row count, then the
     per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
 
@@ -231,6 +231,9 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
       the block, the drafter-context commit, the draft features, bookkeeping per drafted token
       (at batch 1 on the demo pair ~1.8 ms that the passes alone did not show, so drafting looked
       cheaper than it was).
+
+    ``shuffle``: each sweep of the tables times its points in its own order (`CostModel.profile`);
+    False: the grid's order (before stop 56).
 
     Must run before the engine has running requests (it writes scratch entries into cache slots).
     """
@@ -280,7 +283,7 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
         grid_rows = [1, 2]
     short = None if draft_fn is None or engine.compiled else (lambda rows: draft_fn(rows, 1))  # compiled: whole blocks
     cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync,
-                             short_draft_fn=short, block=K)
+                             short_draft_fn=short, block=K, shuffle_seed=0 if shuffle else None)
     if overhead_steps > 0:
         # autoregressive and speculative steps in alternating short runs (a drift meets both)
         chunks = max(1, min(3, overhead_steps // 4))

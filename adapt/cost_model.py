@@ -36,6 +36,20 @@ DEFAULT_ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # 1.2 ms (8 %) over its cost at 5 and 6: the drafts a policy verifies there.
 PROFILE_TOKEN_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256, 512, 1024)
 OVERHEAD_SHARE = 0.5  # share of a measured step's residual that online correction gives the overhead
+# A *bounded residual*: what one measured step teaches the tables, measured − predicted capped at
+# ± this multiple of the prediction (a step counts as at most twice what was predicted). A stall
+# (a page fault, a noisy neighbour) then moves a table point by at most `rate` of a step instead
+# of `rate` of the whole stall: unbounded, one 600 ms stall of a drafting step would raise the
+# draft table by 30 ms and price drafting out, and a source priced out is never measured again to
+# correct it (stop 56). A real change of cost still moves the tables, each step by up to `rate`
+# times the bound, and the bound grows with the prediction as it learns.
+RESIDUAL_BOUND = 1.0
+# Steps after which an online estimate that no measurement has touched is *stale*: a table point's
+# rise over its value as built (profiled or loaded) is then halved, and again after as many more
+# steps (`Table.relax_stale`; the adaptive policy does the same to its residual EMAs). Points are
+# moved only by steps that visit them, so a rise learned in a slow spell on drafting steps (the
+# draft table, the verify table past one token) would otherwise price drafting out for good.
+STALE_STEPS = 128
 
 
 class Table:
@@ -61,6 +75,8 @@ class Table:
             raise ValueError(f"{name}: times must be non-negative")
         self.name = name
         self._xs, self._ys = xs_t.tolist(), ys_t.tolist()
+        self._ref = list(self._ys)  # the points as built: what a stale rise relaxes toward
+        self._seen = [0] * len(self._ys)  # per point: the caller's clock when a measurement last moved it
         self._version = 0
 
     @property
@@ -107,18 +123,39 @@ class Table:
         w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
         return i - 1, i, min(max(w, 0.0), 1.0)
 
-    def nudge(self, x: float, residual: float, rate: float) -> None:
-        """Move the two points around ``x`` toward a measurement; the table stays non-decreasing
-        (a correction at one size never makes a larger size cheaper than a smaller one)."""
+    def nudge(self, x: float, residual: float, rate: float, now: int = 0) -> None:
+        """Move the two points around ``x`` toward a measurement (taken at the caller's clock
+        ``now``); the table stays non-decreasing (a correction at one size never makes a larger
+        size cheaper than a smaller one)."""
         lo, hi, w = self.weights(x)
         ys = self._ys
         ys[lo] = max(0.0, ys[lo] + rate * (1 - w) * residual)
         ys[hi] = max(0.0, ys[hi] + rate * w * residual)
+        if w < 1.0:
+            self._seen[lo] = now
+        if w > 0.0:
+            self._seen[hi] = now
         for j in range(hi + 1, len(ys)):
             ys[j] = max(ys[j], ys[j - 1])
         for j in range(lo - 1, -1, -1):
             ys[j] = min(ys[j], ys[j + 1])
         self._version += 1
+
+    def relax_stale(self, now: int, stale: int = STALE_STEPS) -> None:
+        """Halve the rise over its value as built of every point that no measurement has moved
+        for ``stale`` ticks of the caller's clock (its clock restarts then, so the next halving
+        comes ``stale`` later); the table stays non-decreasing. See `STALE_STEPS`."""
+        ys, ref, seen = self._ys, self._ref, self._seen
+        moved = False
+        for j in range(len(ys)):
+            if ys[j] > ref[j] and now - seen[j] >= stale:
+                ys[j] = ref[j] + 0.5 * (ys[j] - ref[j])
+                seen[j] = now
+                moved = True
+        if moved:
+            for j in range(1, len(ys)):
+                ys[j] = max(ys[j], ys[j - 1])
+            self._version += 1
 
     def to_dict(self) -> dict:
         return {"x": [float(v) for v in self._xs], "ms": [round(float(v), 6) for v in self._ys]}
@@ -142,6 +179,13 @@ def profile_token_grid(top: float) -> list[int]:
     """`PROFILE_TOKEN_GRID` up to ``top`` tokens (at least 2): the verify table of an engine whose
     target forwards take at most ``top`` positions (beyond the grid the table extrapolates)."""
     return [g for g in PROFILE_TOKEN_GRID if g <= max(top, 2)]
+
+
+def bounded_residual(measured: float, predicted: float, bound: float = RESIDUAL_BOUND) -> float:
+    """``measured − predicted`` capped at ``± bound · predicted`` (predictions under 1 ms count as
+    1 ms, so a table that starts near 0 still learns); see `RESIDUAL_BOUND`."""
+    cap = bound * max(float(predicted), 1.0)
+    return min(max(float(measured) - float(predicted), -cap), cap)
 
 
 class CostModel:
@@ -209,47 +253,58 @@ class CostModel:
     # -- online correction ------------------------------------------------------------------------
     def observe(self, num_tokens: float, rows_per_pass: Sequence[int], step_ms: float,
                 verify_ms: float | None = None, draft_ms: float | None = None) -> None:
-        """Move the tables toward one measured step (EMA with `rate`); plain Python, no tensors."""
+        """Move the tables toward one measured step (EMA with `rate`, each residual a
+        `bounded_residual`); plain Python, no tensors."""
         if not np.isfinite(step_ms) or step_ms <= 0:
             return
         rows = [int(r) for r in (rows_per_pass.tolist() if hasattr(rows_per_pass, "tolist") else rows_per_pass)
                 if int(r) > 0]
         self.observed_steps += 1
+        now = self.observed_steps
+        if now % 16 == 0:  # forget stale rises (`STALE_STEPS`); every 16 steps is often enough
+            self.verify.relax_stale(now)
+            self.draft_pass.relax_stale(now)
         if verify_ms is not None and np.isfinite(verify_ms):
-            self.verify.nudge(num_tokens, verify_ms - self.verify.at(num_tokens), self.rate)
+            self.verify.nudge(num_tokens, bounded_residual(verify_ms, self.verify.at(num_tokens)), self.rate, now)
             if draft_ms is not None and np.isfinite(draft_ms) and rows:
                 # in whole-block units: the table holds whole-block passes
-                resid = (draft_ms - self.draft_ms_at(rows)) / len(rows) / self.span_scale()
+                resid = bounded_residual(draft_ms, self.draft_ms_at(rows)) / len(rows) / self.span_scale()
                 for r in rows:
-                    self.draft_pass.nudge(r, resid, self.rate)
+                    self.draft_pass.nudge(r, resid, self.rate, now)
             return
-        resid = step_ms - self.step_ms_at(num_tokens, rows)
+        resid = bounded_residual(step_ms, self.step_ms_at(num_tokens, rows))
         if rows:
             # a drafting step: its residual is what drafting costs beyond the tables (acceptance
             # over the block, the drafter-context commit, features), spread over its passes
             for r in rows:
-                self.draft_pass.nudge(r, resid / len(rows) / self.span_scale(), self.rate)
+                self.draft_pass.nudge(r, resid / len(rows) / self.span_scale(), self.rate, now)
             return
         # a step without drafts: half to the per-step overhead (what every step pays: decisions,
         # bookkeeping), half to the verify table at this size (what depends on it)
         self.overhead_ms = max(0.0, self.overhead_ms + self.rate * OVERHEAD_SHARE * resid)
-        self.verify.nudge(num_tokens, (1.0 - OVERHEAD_SHARE) * resid, self.rate)
+        self.verify.nudge(num_tokens, (1.0 - OVERHEAD_SHARE) * resid, self.rate, now)
 
     # -- building the tables ----------------------------------------------------------------------
     @classmethod
     def profile(cls, verify_fn: Callable[[int], None], draft_fn: Callable[[int], None] | None = None,
                 token_grid: Sequence[int] = DEFAULT_TOKEN_GRID[:9], row_grid: Sequence[int] = DEFAULT_ROW_GRID[:7],
                 repeats: int = 5, sync: Callable[[], None] | None = None,
-                short_draft_fn: Callable[[int], None] | None = None, block: int = 0) -> "CostModel":
+                short_draft_fn: Callable[[int], None] | None = None, block: int = 0,
+                shuffle_seed: int | None = 0) -> "CostModel":
         """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid; with
         ``short_draft_fn(rows)`` (a pass over the first position of the block's ``block``) also
         `span_share`, their ratio at the grid's middle row count.
 
         Every point is warmed once, then timed in ``repeats`` *sweeps*, each sweep timing every
-        point once in turn, and each point keeps its median: a machine whose speed drifts (another
+        point once, and each point keeps its median: a machine whose speed drifts (another
         process, a noisy neighbour) slows every point of a sweep alike, instead of inflating the
         few points timed during the slow spell, as timing one point ``repeats`` times and then the
-        next would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way)."""
+        next would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way). Each
+        sweep visits the points in its own random order (seeded by ``shuffle_seed``; None: the
+        grid's order, verify points then draft points, every sweep): in a fixed order the same
+        point always follows the other model's calls, whose weights have pushed the next call's
+        out of the caches, and only that point pays for it (stop 55: a one-token forward read
+        21.3 ms against 18.5 ms for two tokens that way)."""
         points = [(verify_fn, n) for n in token_grid]
         if draft_fn is not None:
             points += [(draft_fn, r) for r in row_grid]
@@ -260,8 +315,10 @@ class CostModel:
         for fn, arg in points:
             fn(arg)  # warm-up
         samples = np.zeros((max(int(repeats), 1), len(points)))
+        rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
         for i in range(samples.shape[0]):
-            for j, (fn, arg) in enumerate(points):
+            for j in (range(len(points)) if rng is None else rng.permutation(len(points))):
+                fn, arg = points[j]
                 if sync:
                     sync()
                 t0 = time.perf_counter()

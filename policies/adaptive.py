@@ -91,6 +91,7 @@ import time
 
 import torch
 
+from adapt.cost_model import STALE_STEPS
 from kernels.rules import Rule
 from policies.base import Policy, make_verify_decision, no_draft_decision, outcome_ms, rows_per_pass
 from policies.common import lenient_eps
@@ -104,6 +105,12 @@ SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (
 SUFFIX_ROW_PRIOR = 4.0  # tokens at the global ratio before a request's own suffix drafts count
 DIFFUSION_DECAY = 0.98  # per step with diffusion drafts: the plan's recalibration forgets over ~50 of them
 DIFFUSION_PRIOR = 8.0   # tokens at ratio 1 before any diffusion draft is seen
+# A drafting kind's residual EMA (`step_residual`) above the plain steps' in its batch bucket is a
+# *stale penalty* once no step of that kind has been observed there for `STALE_STEPS` (128) steps;
+# it is then halved, and again after as many more. A penalty is only ever measured on steps of its
+# kind, so one learned in a slow spell of the machine (the plain steps after it relearn theirs)
+# would otherwise price that kind out for good. At most one such re-try per 128 steps.
+STALE_RESIDUAL_STEPS = STALE_STEPS
 DIFFUSION_IDLE_DECAY = 0.995  # per step without diffusion drafts: the evidence fades back to ratio 1
 
 
@@ -205,6 +212,9 @@ class AdaptivePolicy(Policy):
         # some row verified a diffusion draft; "suffix": only suffix drafts; "draft": either) and
         # batch-size bucket (`batch_bucket`): {(kind, bucket): ms}
         self.step_residual: dict[tuple[str, int], float] = {}
+        self._residual_recent: dict[tuple[str, int], list[float]] = {}  # key -> its last 3 raw residuals
+        self._residual_seen: dict[tuple[str, int], int] = {}  # key -> `_observed` when last updated (or halved)
+        self._observed = 0  # steps observed
         # price each source's steps by their own residual ("diffusion" / "suffix"), or (the
         # default) both by the residual of every drafting step ("draft")
         self.overhead_by_source = bool(overhead_by_source)
@@ -801,12 +811,13 @@ class AdaptivePolicy(Policy):
         if measured > 0 and not drafted:
             self.plain_ms = measured if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * measured
         self._batch = len(outcome.accepted)
+        self._observed += 1
         if predicted is not None and measured > 0:
             source = self._step_source(outcome)
+            bucket = batch_bucket(self._batch)
             for kind in (source,) if source == "plain" else (source, "draft"):  # "draft": every drafting step
-                key = (kind, batch_bucket(self._batch))
-                r, prev = measured - predicted, self.step_residual.get(key)
-                self.step_residual[key] = r if prev is None else 0.9 * prev + 0.1 * r
+                self._learn_residual((kind, bucket), measured - predicted)
+            self._halve_stale_penalties(bucket)
         self._learn_suffix_accept(rows, outcome)
         self._learn_diffusion_accept(rows, outcome)
         if self._suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
@@ -820,6 +831,37 @@ class AdaptivePolicy(Policy):
                 # explain (else that cost is counted twice: once scaled into the ratio, once added)
                 r = min(max((measured - fixed_ms) / chosen_ms, 0.25), 4.0)
                 self.suffix_cost_ratio[key] = 0.8 * self.suffix_cost_ratio[key] + 0.2 * r
+
+    def _learn_residual(self, key: tuple[str, int], r: float) -> None:
+        """Move ``key``'s residual EMA toward the median of its last three raw residuals (the
+        first estimate: the median of the first three), so that one stalled step (a page fault, a
+        noisy neighbour: hundreds of ms) teaches nothing, while a real extra cost, which every
+        step of the kind pays, is learned as before: the drafting path's extra cost may be
+        several times the table's prediction at 8 rows (`draft_overhead_at`), so bounding the
+        residual by the prediction, as the tables do (`adapt.cost_model.RESIDUAL_BOUND`), would
+        not serve here."""
+        recent = self._residual_recent.setdefault(key, [])
+        recent.append(float(r))
+        del recent[:-3]
+        self._residual_seen[key] = self._observed
+        if len(recent) < 3:
+            return
+        m = sorted(recent)[1]
+        prev = self.step_residual.get(key)
+        self.step_residual[key] = m if prev is None else 0.9 * prev + 0.1 * m
+
+    def _halve_stale_penalties(self, bucket: int) -> None:
+        """Halve each drafting kind's residual excess over the plain steps' in ``bucket`` that no
+        step of its kind has measured for `STALE_RESIDUAL_STEPS` steps (see there)."""
+        res, seen = self.step_residual, self._residual_seen
+        plain = res.get(("plain", bucket))
+        if plain is None:
+            return
+        for kind in ("diffusion", "suffix", "draft"):
+            key = (kind, bucket)
+            if res.get(key, plain) > plain and self._observed - seen.get(key, 0) >= STALE_RESIDUAL_STEPS:
+                res[key] = plain + 0.5 * (res[key] - plain)
+                seen[key] = self._observed
 
     def _with_suffix(self, decision, rows, draft):
         """The verify decision with suffix rows' draft lengths (chosen in `_take_suffix`) and exact rules."""

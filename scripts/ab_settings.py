@@ -56,22 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapt.bench.policies import BASELINES  # noqa: E402  (the static configurations a run may compare with)
-
-
-def parse_variant(text: str, text_keys: tuple[str, ...] = ()) -> tuple[str, dict]:
-    """'name:key=value,key=value' -> (name, settings); values are JSON (ints, floats, booleans),
-    or ``@PATH``: the JSON in that file (a table, e.g. an earlier ``suffix_accept``); the values of
-    `text_keys` are kept as plain strings."""
-    name, _, body = text.partition(":")
-    settings = {}
-    for item in filter(None, body.split(",")):
-        key, _, value = item.partition("=")
-        value = value.strip()
-        if key.strip() in text_keys:  # a plain string (a static variant's base name)
-            settings[key.strip()] = value
-            continue
-        settings[key.strip()] = json.loads(Path(value[1:]).read_text() if value.startswith("@") else value)
-    return name, settings
+from adapt.bench.settings_text import parse_variant  # noqa: E402
 
 
 STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
@@ -144,8 +129,11 @@ def main(argv=None) -> int:
         p.error(f"--static: names of {', '.join(BASELINES)} or static-K (K drafted tokens), got {args.static!r}")
     if args.sla_ms is not None and not args.sla_ms > 0:
         p.error(f"--sla-ms must be positive, got {args.sla_ms}")
-    variants = dict(parse_variant(v) for v in args.variant)
-    static_variants = dict(parse_variant(v, text_keys=("base",)) for v in args.static_variant)
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+        static_variants = dict(parse_variant(v, text_keys=("base",)) for v in args.static_variant)
+    except ValueError as e:
+        p.error(str(e))
     for n, st in static_variants.items():
         bad = [k for k in st if k != "base" and not k.startswith("engine.")]
         if st.get("base") not in BASELINES and _static_len(str(st.get("base"))) is None or bad:

@@ -30,7 +30,6 @@ import argparse
 import collections
 import functools
 import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -117,7 +116,12 @@ def main(argv=None) -> int:
                    help="KEY=VALUE (JSON value): an adaptive-policy setting over the policy file's, e.g. span_headroom=2")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    settings = {k.strip(): json.loads(v) for k, _, v in (item.partition("=") for item in args.setting)}
+    from adapt.bench.settings_text import parse_settings
+
+    try:
+        settings = parse_settings(args.setting)
+    except ValueError as e:
+        p.error(str(e))
 
     import torch
 

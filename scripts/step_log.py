@@ -64,6 +64,12 @@ def main(argv=None) -> int:
                    help="round r serves its own instance of the scenario (adapt.bench.interleave.scenario_instance)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    from adapt.bench.settings_text import parse_settings
+
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as e:
+        p.error(str(e))
 
     import torch
 
@@ -82,7 +88,6 @@ def main(argv=None) -> int:
     K = engine.block
     t1 = args.sla_ms or tight_tpot_ms(pf.cost, K)
     mix = evaluation_mix(pf.cost, K, max(24, 2 * args.load), tight_ms=t1)
-    settings = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.set)}
     log: list[dict] = []
 
     class Logged(adaptive.AdaptivePolicy):

@@ -114,3 +114,10 @@ def test_a_static_variant_names_its_base_and_engine_fields_only(tmp_path, capsys
             _script().main(["--policy-file", str(tmp_path / "p.json"), "--interleave", "--static-variant", bad,
                             "--out", str(tmp_path / "o")])
         assert exc.value.code == 2 and "--static-variant x" in capsys.readouterr().err
+
+
+def test_a_variant_with_a_value_that_is_not_json_is_refused_by_key(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _script().main(["--policy-file", str(tmp_path / "p.json"), "--variant", "x:span_headroom=two",
+                        "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "span_headroom" in capsys.readouterr().err

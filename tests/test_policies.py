@@ -436,6 +436,61 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
     assert p.choose_steps(two).gt(0).all()
 
 
+def _observe_steps(p, rows, kinds, extra_ms):
+    """Feed policy ``p`` one step per kind ("plain" or "diffusion") over ``rows``, each taking its
+    cost model's prediction plus ``extra_ms(i, kind)``."""
+    from policies.base import rows_per_pass
+
+    B = len(rows.request_ids)
+    for i, kind in enumerate(kinds):
+        steps = torch.full((B,), 1 if kind == "diffusion" else 0)
+        p.last_steps = steps
+        n = B * (5 if kind == "diffusion" else 1)
+        predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
+        p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if kind == "diffusion" else 0),
+                                    torch.zeros(B), (predicted + extra_ms(i, kind)) / 1e3, n))
+
+
+def test_adaptive_learns_nothing_from_one_stalled_step():
+    """A drafting step that stalled 600 ms (a page fault, a noisy neighbour) among steps that took
+    what the cost model said: the drafting path's learned extra cost stays ~0 (each residual EMA
+    follows the median of its kind's last three steps), and the policy goes on drafting."""
+    import dataclasses
+
+    rows = dataclasses.replace(make_rows(1, 8), recent_accept=torch.full((1,), 0.97))
+    p = policies.get("adaptive")
+    _observe_steps(p, rows, ["plain", "diffusion"] * 6, lambda i, kind: 600.0 if i == 5 else 0.0)
+    assert abs(p.draft_overhead_at(1)) < 1.0
+    p._plan = None
+    assert p.choose_steps(rows).gt(0).all()
+
+
+def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long():
+    """Drafting steps learned to cost 50 ms more than plain ones (a slow spell), so the policy
+    stopped drafting and no step measures that extra again: after `STALE_RESIDUAL_STEPS` plain
+    steps the penalty is halved, after as many more halved again, until the policy drafts (and
+    measures) once more."""
+    import dataclasses
+
+    from policies.adaptive import STALE_RESIDUAL_STEPS
+
+    rows = dataclasses.replace(make_rows(1, 8), recent_accept=torch.full((1,), 0.97))
+    p = policies.get("adaptive", hold_max=0)
+    _observe_steps(p, rows, ["plain", "diffusion"] * 6, lambda i, kind: 50.0 if kind == "diffusion" else 0.0)
+    learned = p.draft_overhead_at(1)
+    assert learned > 40.0
+    p._plan = None
+    assert p.choose_steps(rows).eq(0).all()  # priced out
+    _observe_steps(p, rows, ["plain"] * (STALE_RESIDUAL_STEPS - 2), lambda i, kind: 0.0)
+    assert p.draft_overhead_at(1) == pytest.approx(learned, rel=0.05)  # not yet stale
+    _observe_steps(p, rows, ["plain"] * 4, lambda i, kind: 0.0)
+    assert p.draft_overhead_at(1) == pytest.approx(learned / 2, rel=0.1)
+    _observe_steps(p, rows, ["plain"] * (4 * STALE_RESIDUAL_STEPS), lambda i, kind: 0.0)
+    assert p.draft_overhead_at(1) < learned / 8
+    p._plan = None
+    assert p.choose_steps(rows).gt(0).all()  # tried again: the next drafting step measures the cost anew
+
+
 def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     """Decision cadence: after a plain decision (nothing pays) the policy answers the next 1, 2,
     4, ... (at most hold_max) steps without deciding and asks the engine for no suffix drafts;
