@@ -105,12 +105,6 @@ SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (
 SUFFIX_ROW_PRIOR = 4.0  # tokens at the global ratio before a request's own suffix drafts count
 DIFFUSION_DECAY = 0.98  # per step with diffusion drafts: the plan's recalibration forgets over ~50 of them
 DIFFUSION_PRIOR = 8.0   # tokens at ratio 1 before any diffusion draft is seen
-# A drafting kind's residual EMA (`step_residual`) above the plain steps' in its batch bucket is a
-# *stale penalty* once no step of that kind has been observed there for `STALE_STEPS` (128) steps;
-# it is then halved, and again after as many more. A penalty is only ever measured on steps of its
-# kind, so one learned in a slow spell of the machine (the plain steps after it relearn theirs)
-# would otherwise price that kind out for good. At most one such re-try per 128 steps.
-STALE_RESIDUAL_STEPS = STALE_STEPS
 DIFFUSION_IDLE_DECAY = 0.995  # per step without diffusion drafts: the evidence fades back to ratio 1
 
 
@@ -851,15 +845,18 @@ class AdaptivePolicy(Policy):
         self.step_residual[key] = m if prev is None else 0.9 * prev + 0.1 * m
 
     def _halve_stale_penalties(self, bucket: int) -> None:
-        """Halve each drafting kind's residual excess over the plain steps' in ``bucket`` that no
-        step of its kind has measured for `STALE_RESIDUAL_STEPS` steps (see there)."""
+        """Halve each drafting kind's residual excess over the plain steps' in ``bucket`` (a *stale
+        penalty*) that no step of its kind has measured for `STALE_STEPS` (128) steps; again after
+        as many more. A penalty is only ever measured on steps of its kind, so one learned in a
+        slow spell of the machine (the plain steps after it relearn theirs) would otherwise price
+        that kind out for good. At most one such re-try per `STALE_STEPS` steps."""
         res, seen = self.step_residual, self._residual_seen
         plain = res.get(("plain", bucket))
         if plain is None:
             return
         for kind in ("diffusion", "suffix", "draft"):
             key = (kind, bucket)
-            if res.get(key, plain) > plain and self._observed - seen.get(key, 0) >= STALE_RESIDUAL_STEPS:
+            if res.get(key, plain) > plain and self._observed - seen.get(key, 0) >= STALE_STEPS:
                 res[key] = plain + 0.5 * (res[key] - plain)
                 seen[key] = self._observed
 

@@ -467,12 +467,12 @@ def test_adaptive_learns_nothing_from_one_stalled_step():
 
 def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long():
     """Drafting steps learned to cost 50 ms more than plain ones (a slow spell), so the policy
-    stopped drafting and no step measures that extra again: after `STALE_RESIDUAL_STEPS` plain
+    stopped drafting and no step measures that extra again: after `STALE_STEPS` plain
     steps the penalty is halved, after as many more halved again, until the policy drafts (and
     measures) once more."""
     import dataclasses
 
-    from policies.adaptive import STALE_RESIDUAL_STEPS
+    from adapt.cost_model import STALE_STEPS
 
     rows = dataclasses.replace(make_rows(1, 8), recent_accept=torch.full((1,), 0.97))
     p = policies.get("adaptive", hold_max=0)
@@ -481,11 +481,11 @@ def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long()
     assert learned > 40.0
     p._plan = None
     assert p.choose_steps(rows).eq(0).all()  # priced out
-    _observe_steps(p, rows, ["plain"] * (STALE_RESIDUAL_STEPS - 2), lambda i, kind: 0.0)
+    _observe_steps(p, rows, ["plain"] * (STALE_STEPS - 2), lambda i, kind: 0.0)
     assert p.draft_overhead_at(1) == pytest.approx(learned, rel=0.05)  # not yet stale
     _observe_steps(p, rows, ["plain"] * 4, lambda i, kind: 0.0)
     assert p.draft_overhead_at(1) == pytest.approx(learned / 2, rel=0.1)
-    _observe_steps(p, rows, ["plain"] * (4 * STALE_RESIDUAL_STEPS), lambda i, kind: 0.0)
+    _observe_steps(p, rows, ["plain"] * (4 * STALE_STEPS), lambda i, kind: 0.0)
     assert p.draft_overhead_at(1) < learned / 8
     p._plan = None
     assert p.choose_steps(rows).gt(0).all()  # tried again: the next drafting step measures the cost anew
