@@ -21,6 +21,7 @@ All evaluation methods accept tensors and run as tensor code (no per-row Python)
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -188,6 +189,34 @@ def bounded_residual(measured: float, predicted: float, bound: float = RESIDUAL_
     return min(max(float(measured) - float(predicted), -cap), cap)
 
 
+def sweep_medians(calls: Sequence[Callable[[], None]], repeats: int, shuffle_seed: int | None = 0,
+                  sync: Callable[[], None] | None = None) -> np.ndarray:
+    """[len(calls)] the median ms of each call. Every call runs once to warm up, then all are
+    timed in ``repeats`` *sweeps*, each sweep timing every call once: a machine whose speed drifts
+    (another process, a noisy neighbour) slows every call of a sweep alike, instead of inflating
+    the few timed during the slow spell, as timing one call ``repeats`` times and then the next
+    would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way). Each sweep
+    visits the calls in its own random order (seeded by ``shuffle_seed``; None: the given order,
+    every sweep): in a fixed order the same call always follows the other model's calls, whose
+    weights have pushed the next call's out of the caches, and only that call pays for it (stop
+    55: a one-token forward read 21.3 ms against 18.5 ms for two tokens that way). ``sync``: run
+    before and after each timed call (a device's queue)."""
+    for call in calls:
+        call()  # warm-up
+    samples = np.zeros((max(int(repeats), 1), len(calls)))
+    rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    for i in range(samples.shape[0]):
+        for j in (range(len(calls)) if rng is None else rng.permutation(len(calls))):
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            calls[j]()
+            if sync:
+                sync()
+            samples[i, j] = (time.perf_counter() - t0) * 1e3
+    return np.median(samples, axis=0)
+
+
 class CostModel:
     """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
 
@@ -291,20 +320,10 @@ class CostModel:
                 repeats: int = 5, sync: Callable[[], None] | None = None,
                 short_draft_fn: Callable[[int], None] | None = None, block: int = 0,
                 shuffle_seed: int | None = 0) -> "CostModel":
-        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid; with
+        """Time ``verify_fn(num_tokens)`` and ``draft_fn(rows)`` (a whole-block pass) on a grid, each
+        point its `sweep_medians` (sweeps in an order seeded by ``shuffle_seed``); with
         ``short_draft_fn(rows)`` (a pass over the first position of the block's ``block``) also
-        `span_share`, their ratio at the grid's middle row count.
-
-        Every point is warmed once, then timed in ``repeats`` *sweeps*, each sweep timing every
-        point once, and each point keeps its median: a machine whose speed drifts (another
-        process, a noisy neighbour) slows every point of a sweep alike, instead of inflating the
-        few points timed during the slow spell, as timing one point ``repeats`` times and then the
-        next would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way). Each
-        sweep visits the points in its own random order (seeded by ``shuffle_seed``; None: the
-        grid's order, verify points then draft points, every sweep): in a fixed order the same
-        point always follows the other model's calls, whose weights have pushed the next call's
-        out of the caches, and only that point pays for it (stop 55: a one-token forward read
-        21.3 ms against 18.5 ms for two tokens that way)."""
+        `span_share`, their ratio at the grid's middle row count."""
         points = [(verify_fn, n) for n in token_grid]
         if draft_fn is not None:
             points += [(draft_fn, r) for r in row_grid]
@@ -312,21 +331,7 @@ class CostModel:
             with_short = short_draft_fn is not None and block > 1
             if with_short:
                 points.append((short_draft_fn, mid))
-        for fn, arg in points:
-            fn(arg)  # warm-up
-        samples = np.zeros((max(int(repeats), 1), len(points)))
-        rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
-        for i in range(samples.shape[0]):
-            for j in (range(len(points)) if rng is None else rng.permutation(len(points))):
-                fn, arg = points[j]
-                if sync:
-                    sync()
-                t0 = time.perf_counter()
-                fn(arg)
-                if sync:
-                    sync()
-                samples[i, j] = (time.perf_counter() - t0) * 1e3
-        ms = np.median(samples, axis=0)                                                  # [points]
+        ms = sweep_medians([functools.partial(fn, arg) for fn, arg in points], repeats, shuffle_seed, sync)  # [points]
         n_tok = len(token_grid)
         verify = Table(token_grid, _monotone(ms[:n_tok]), "cost.verify")
         draft, share = None, 1.0

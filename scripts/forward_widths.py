@@ -6,11 +6,11 @@ points the table interpolates linearly. This script times, at one row after a pr
 ``--context`` tokens: the target forward over 1 .. ``--max-tokens`` tokens (as a decode step
 verifies an anchor and its drafts) and the drafter's denoising pass over ``[anchor, MASK x span]``
 for each span (`DrafterContext.block_pass`, the compiled package where it takes the shape). The
-widths take turns in sweeps, in a new shuffled order each sweep (a drift of the machine meets
-every width alike, and so does the slower call right after the other model's: before stop 55 the
-order was fixed, and the first forward of each sweep read slower than the next: 21.3 ms for one
-token against 18.5 ms for two in stop 55's first run, monotone once shuffled), and each keeps its
-median. Example (stop 55):
+widths take turns in sweeps, in a new shuffled order each sweep, as the start-up profile times
+its grid (`adapt.cost_model.sweep_medians`: a drift of the machine meets every width alike, and
+so does the slower call right after the other model's; before stop 55 the order was fixed, and
+the first forward of each sweep read slower than the next: 21.3 ms for one token against 18.5
+ms for two in stop 55's first run, monotone once shuffled), and each keeps its median. Example (stop 55):
 
     python scripts/forward_widths.py --compile aot --out results/forward-widths-55/smollm2-aot.json
 """
@@ -18,11 +18,9 @@ median. Example (stop 55):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,6 +41,7 @@ def main(argv=None) -> int:
 
     from adapt.bench import write_json
     from adapt.bench.policies import workload_engine
+    from adapt.cost_model import sweep_medians
 
     torch.set_num_threads(args.threads)
     engine, _ = workload_engine(args.pair, "mixed", 1, args.max_tokens + 8, compile=args.compile)
@@ -67,23 +66,12 @@ def main(argv=None) -> int:
     if dr is not None:
         points += [("draft", s) for s in range(1, K + 1)]
     run = {"forward": forward, "draft": draft}
-    times: dict = {pt: [] for pt in points}
-    order = random.Random(0)
-    with torch.inference_mode():
-        for pt in points:  # warm-up
-            run[pt[0]](pt[1])
-        for _ in range(args.sweeps):
-            # a new order every sweep: a call right after the other model's is slower (its weights
-            # left the caches), and a fixed order would charge that to the same points every time
-            order.shuffle(points)
-            for pt in points:
-                t0 = time.perf_counter()
-                run[pt[0]](pt[1])
-                times[pt].append(1e3 * (time.perf_counter() - t0))
+    with torch.inference_mode():  # a new order every sweep, as the start-up profile times its grid
+        ms = sweep_medians([functools.partial(run[kind], n) for kind, n in points], args.sweeps)
+    median = dict(zip(points, ms.tolist()))
     result = {"pair": args.pair, "compile": args.compile, "context": context, "sweeps": args.sweeps,
-              "target_forward_ms": {t: round(statistics.median(times[("forward", t)]), 3)
-                                    for t in range(1, args.max_tokens + 1)},
-              "drafter_pass_ms": {s: round(statistics.median(times[("draft", s)]), 3)
+              "target_forward_ms": {t: round(median[("forward", t)], 3) for t in range(1, args.max_tokens + 1)},
+              "drafter_pass_ms": {s: round(median[("draft", s)], 3)
                                   for s in range(1, K + 1)} if dr is not None else {}}
     print(json.dumps(result))
     if args.out:
