@@ -15,3 +15,20 @@ def test_forward_widths_times_every_token_count_and_span(tmp_path):
     assert list(result["target_forward_ms"]) == [str(t) for t in range(1, 7)]
     assert len(result["drafter_pass_ms"]) == 16  # the demo drafter's block
     assert all(v > 0 for v in [*result["target_forward_ms"].values(), *result["drafter_pass_ms"].values()])
+
+
+def test_forward_widths_times_the_forward_after_each_context(tmp_path):
+    """``--contexts``: the target forward per token count after each prompt length as well, in the
+    same sweeps; a bad list is refused, naming the option."""
+    import pytest
+
+    out = tmp_path / "contexts.json"
+    script = load_script("forward_widths")
+    assert script.main(["--pair", "demo", "--compile", "off", "--max-tokens", "3", "--sweeps", "2",
+                        "--context", "32", "--contexts", "48,16,48", "--out", str(out)]) == 0
+    by_context = json.loads(out.read_text())["target_forward_ms_by_context"]
+    assert list(by_context) == ["16", "48"]
+    assert all(list(row) == ["1", "2", "3"] and min(row.values()) > 0 for row in by_context.values())
+    for bad in ("64,x", "0"):
+        with pytest.raises(SystemExit):
+            script.main(["--pair", "demo", "--contexts", bad])

@@ -38,3 +38,16 @@ def test_a_slower_diffusion_rate_never_makes_the_oracle_slower_than_static():
     adaptive = _records("adaptive-c1-9-1", [("diffusion", 0, 30.0)] * 4)
     out = sc.ceiling(sc.by_source(static, "code"), sc.by_source(adaptive, "code"))
     assert out["oracle_gain"] == 1.0 and out["rows"][0]["kind"] == "code"
+
+
+def test_what_if_prices_cheaper_or_better_diffusion_steps():
+    sc = _script()
+    static = _records("suffix-c1-7-2", [("none", 0, 10.0)] * 10)  # 10 tokens in 100 ms
+    # adaptive: 5 diffusion steps winning 1 draft each in 20 ms, 2 plain steps of 10 ms: 12 tokens, 120 ms
+    adaptive = _records("adaptive-c1-9-2", [("diffusion", 1, 20.0)] * 5 + [("none", 0, 10.0)] * 2)
+    out = sc.what_if(static, adaptive, faster_ms=(2.0, 50.0), more_accepted=(0.4,))
+    assert out["diffusion_steps"] == 5 and out["decode_ms"] == 120.0
+    assert out["gain"] == pytest.approx(1.0)
+    assert out["diffusion_faster_ms"]["2.0"] == pytest.approx((12 / 110) / 0.1, abs=1e-3)
+    assert out["diffusion_faster_ms"]["50.0"] == pytest.approx((12 / 20.5) / 0.1, abs=1e-3)  # floored at 0.1 ms
+    assert out["diffusion_more_accepted"]["0.4"] == pytest.approx((14 / 120) / 0.1, abs=1e-3)
