@@ -94,6 +94,7 @@ class AdaptiveSettings(_Settings):
     suffix_per_request: bool = Field(default=None)
     diffusion_recalibrate: bool = Field(default=None)
     overhead_by_source: bool = Field(default=None)
+    draft_credit: bool = Field(default=None)
     hold_max: int = Field(default=None)
     hold_share: float = Field(default=None)
     hold_joins_rows: int | None = Field(default=None, ge=1)

@@ -121,7 +121,7 @@ class AdaptivePolicy(Policy):
                  sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
                  sla_reach: bool = True, overhead_scales: bool = True,
                  suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 diffusion_recalibrate: bool = True, overhead_by_source: bool = False,
+                 diffusion_recalibrate: bool = True, overhead_by_source: bool = False, draft_credit: bool = True,
                  span_headroom: int | None = 1, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= closed_weight <= 1.0:
@@ -195,6 +195,7 @@ class AdaptivePolicy(Policy):
         # decayed sums, per temperature class (greedy, sampled) and step count of `steps_grid`
         # ([2, S]), of the tokens diffusion drafts won and of what the plan's prior predicted they would
         self.diffusion_recalibrate = bool(diffusion_recalibrate)
+        self.draft_credit = bool(draft_credit)  # a negative drafting extra credits diffusion plans (`draft_overhead_at`)
         self.diffusion_won = self.diffusion_predicted = None  # 2 · S host floats, made at first use
         self.diffusion_drafts = 0
         self._diffusion_expect = None  # ([B] prior-predicted extra tokens per diffusion row (0: none), [B] grid index)
@@ -737,7 +738,7 @@ class AdaptivePolicy(Policy):
             won_sums[c] = decay * won_sums[c] + w
             predicted_sums[c] = decay * predicted_sums[c] + p
 
-    def draft_overhead_at(self, batch: int, source: str = "diffusion") -> float:
+    def draft_overhead_at(self, batch: int, source: str = "diffusion", credit: bool | None = None) -> float:
         """The fixed extra ms of a step of `batch` rows that verifies drafts of ``source``
         ("diffusion": some row drafts by diffusion; "suffix": only suffix drafts) over one that
         verifies none, beyond what the cost model predicts for both (decisions, features, rule
@@ -755,16 +756,30 @@ class AdaptivePolicy(Policy):
         pays drafter passes and short drafts on many rows); else one estimate over every drafting
         step ("draft") prices both. Per source measured worse live at 2 and 8 requests (stop 45,
         docs/controller.md: at 8 rows the combined estimate, which diffusion steps make dear,
-        kept copies from widening the batch)."""
+        kept copies from widening the batch).
+
+        A **credit** (``credit``, default ``draft_credit``, on): where drafting steps ran *under*
+        the tables by more than plain steps did, diffusion plans get the difference back as a
+        negative extra, at most one drafter pass of the batch (`CostModel.draft_ms_at`). A start-up
+        profile that overprices drafting (stop 56: diffusion steps 12 ms under the tables, drafted
+        on 0.5–44 % of steps) is then corrected within a few drafting steps instead of the tables'
+        slow online correction, which only drafting steps move. The tables themselves always learn
+        the measured time (`_table_ms` takes no credit), so the residual, and the credit with it,
+        fades as they catch up. Suffix steps get none (they run no drafter pass to overprice)."""
         res = self.step_residual
-        source = source if self.overhead_by_source else "draft"
-        both = [b for (kind, b) in res if kind == source and ("plain", b) in res]
+        credit = self.draft_credit if credit is None else credit
+        key = source if self.overhead_by_source else "draft"
+        both = [b for (kind, b) in res if kind == key and ("plain", b) in res]
         if not both:
             return 0.0
         bucket = batch_bucket(batch)
         b = min(both, key=lambda x: (abs(x.bit_length() - bucket.bit_length()), x))
-        scale = bucket / b if self.overhead_scales and b < bucket else 1.0
-        return scale * max(0.0, res[(source, b)] - res[("plain", b)])
+        extra = res[(key, b)] - res[("plain", b)]
+        if extra >= 0:
+            return (bucket / b if self.overhead_scales and b < bucket else 1.0) * extra
+        if not credit or source != "diffusion":
+            return 0.0
+        return max(extra, -self.cost.draft_ms_at([batch]))
 
     @property
     def draft_overhead_ms(self) -> float:
@@ -792,7 +807,7 @@ class AdaptivePolicy(Policy):
         1 to 2 tokens per row and the fixed cost counted twice)."""
         source = self._step_source(outcome)
         if source != "plain":
-            return max(step_ms - self.draft_overhead_at(len(outcome.accepted), source), 1e-3)
+            return max(step_ms - self.draft_overhead_at(len(outcome.accepted), source, credit=False), 1e-3)
         return step_ms
 
     def observe(self, rows, outcome) -> None:

@@ -705,3 +705,35 @@ def test_adaptive_recalibrates_each_step_count_of_its_grid():
     history = _learn_diffusion(p, rows, lambda level: (level == 1).double(), 400)
     # mostly two steps; one step retried now and then, as its evidence fades
     assert 0 < history.count([1]) < 40 and history.count([2]) > 300
+
+
+def test_adaptive_credits_drafting_that_runs_under_an_overpriced_profile():
+    """A start-up profile priced the drafter pass 12 ms where drafting steps take ~10 ms less:
+    with `draft_credit` (the default) diffusion plans get that back as a negative extra, at most
+    one drafter pass, and a row whose drafts the overpriced tables priced out drafts again; the
+    tables learn the measured time (no credit in `_table_ms`); suffix choices get no credit.
+    Without it the extra stays 0 and the row stays plain."""
+    import dataclasses
+
+    from adapt.cost_model import CostModel, Table
+
+    rows = dataclasses.replace(make_rows(1, 8), recent_accept=torch.full((1,), 0.3))
+    for credit in (True, False):
+        cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [12.0, 12.0]))
+        p = policies.get("adaptive", cost=cost, hold_max=0, replan_every=1, steps_grid=(1,), draft_credit=credit)
+        assert not bool(p.choose_steps(rows).gt(0).any())  # priced out by the profile
+        p._plan = None
+        _observe_steps(p, rows, ["plain", "diffusion"] * 6, lambda i, kind: -10.0 if kind == "diffusion" else 0.0)
+        overhead = p.draft_overhead_at(1)
+        out = StepOutcome(torch.zeros(1, dtype=torch.long), torch.full((1,), 4), torch.zeros(1), 0.02, 5)
+        p.last_steps = torch.ones(1, dtype=torch.long)
+        assert p._table_ms(out, 20.0) == pytest.approx(20.0)  # the tables learn what the step took
+        assert p.draft_overhead_at(1, "suffix") == 0.0
+        p._plan = None
+        drafts = bool(p.choose_steps(rows).gt(0).all())
+        if credit:
+            assert -cost.draft_ms_at([1]) - 1e-9 <= overhead < -5.0
+            assert drafts
+        else:
+            assert overhead == 0.0
+            assert not drafts
