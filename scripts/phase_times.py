@@ -5,8 +5,14 @@ policy in turn on one engine, for each scenario instance, and prints millisecond
 by phase (`adapt.bench.speed_runners.PhaseProbe`: the drafter's passes, the target forward,
 acceptance, the drafter-context commit, the decision maker's calls, the rest), plus, for the
 adaptive policy, three parts of its decisions (the suffix choice, the step plan, the verify
-decision). The runs follow one another, so a drift of the machine between them moves their ratio
-(use `scripts/ab_settings.py --interleave` to compare policies); the phases of one run are what it
+decision). Each phase also comes per call (`per_call_ms`: the drafter's passes cost a drafting
+step their per-call time; `draft_package` is the drafter package's own call inside them), and the
+steps of each draft source apart (`by_source`, from the run's trace records: steps, tokens per
+step, median step / draft-phase / verify-phase ms; the draft phase runs from the step's start to
+the drafts, decisions and the drafter's pass included, the verify phase from there to its end), so
+what a diffusion step costs over a plain one in the same run is read off directly. The runs follow
+one another, so a drift of the machine between them moves their ratio (use
+`scripts/ab_settings.py --interleave` to compare policies); the phases of one run are what it
 shows. Example (stop 54):
 
     python scripts/phase_times.py --policies suffix,adaptive --instances 0,1 --out results/policies-smollm2-54/phases-l1.json
@@ -47,6 +53,7 @@ def main(argv=None) -> int:
     from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
     from adapt.replay import Scenario
     from policies.adaptive import AdaptivePolicy
+    from workers.traces import ListTraceSink
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
@@ -79,9 +86,11 @@ def main(argv=None) -> int:
                 policy = make_policy(name, pf, steps_grid=grid, width=K)
                 run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
                 parts.clear()
+                sink = ListTraceSink()
                 with PhaseProbe(engine) as probe:
-                    run_live(engine, policy, Scenario("mix", args.load, mix), served, seed=seed)
+                    run_live(engine, policy, Scenario("mix", args.load, mix), served, seed=seed, trace_sink=sink)
                 r = probe.report()
+                r["by_source"] = by_source(sink.records)
                 n = max(r["decode_steps"], 1)
                 r["decision_parts_ms"] = {k: round(1e3 * v / n, 3) for k, v in parts.items()}
                 print(inst, name, json.dumps(r), flush=True)
@@ -92,6 +101,22 @@ def main(argv=None) -> int:
     if args.out:
         write_json(args.out, out)
     return 0
+
+
+def by_source(records: list[dict]) -> dict:
+    """{source: {steps, tokens_per_step, step_ms, draft_ms, verify_ms}} over one run's trace
+    records (one per row and step; at one request, one per step): medians of the times, so a
+    stalled step does not move them."""
+    import statistics
+
+    groups: dict = collections.defaultdict(list)
+    for r in records:
+        groups[r["source"]].append(r)
+    return {source: {"steps": len(rs),
+                     "tokens_per_step": round(sum(r["accepted"] + 1 for r in rs) / len(rs), 3),
+                     **{key: round(statistics.median(r[key] or 0.0 for r in rs), 3)
+                        for key in ("step_ms", "draft_ms", "verify_ms")}}
+            for source, rs in sorted(groups.items())}
 
 
 if __name__ == "__main__":

@@ -310,3 +310,21 @@ def test_a_request_joining_a_slot_with_non_finite_drafter_context_drafts_finite_
         del engine.drafting.draft
     assert [got["long"], got["short"]] == want
     assert len(laws) > MAX_TOKENS // 4 and all(laws)
+
+
+def test_the_phase_probe_times_the_drafter_package_apart_and_puts_it_back(built):
+    """`PhaseProbe` reports the drafter package's calls inside the `draft` phase, per call, and
+    restores the engine's own package object on exit."""
+    from adapt.bench.speed_runners import PhaseProbe
+
+    target, drafter, cache, engine = built
+    program, before = engine.drafting.program, engine.drafting.program.calls
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    with PhaseProbe(engine) as probe:
+        run_to_completion(engine, [("probed", PROMPTS[1], params, DecodeKnobs(steps=1, draft_len=4))])
+    report = probe.report()
+    assert engine.drafting.program is program
+    passes = program.calls - before
+    assert passes > 0 and probe.calls["draft_package"] == passes == probe.calls["draft"]
+    assert 0 < report["per_call_ms"]["draft_package"] <= report["per_call_ms"]["draft"]
+    assert "draft_package" not in report["phases_ms"]  # a part of `draft`, not a phase of its own

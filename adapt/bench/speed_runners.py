@@ -77,13 +77,20 @@ class PhaseProbe:
     fast path or `kernels.verify` on the ragged batch; in a step without drafts, sampling the next
     tokens and the step's host read), `cache_commit` (drafter context K/V of the new positions), `decisions` (the
     decision maker's calls), `bookkeeping` (everything else of the step: tensors built from
-    Python state, probabilities, noise, stop checks, the host sync, per-request stats)."""
+    Python state, probabilities, noise, stop checks, the host sync, per-request stats).
+
+    The report also gives each phase's calls per decode step and milliseconds per call
+    (`per_call_ms`): a phase that runs on some steps only (the drafter's passes on drafting steps)
+    costs those steps its per-call time, which its per-step average hides. On an engine with the
+    drafter's compiled package, `per_call_ms["draft_package"]` is the package's own call, the part
+    of `draft` that is not sampling, features or the block's set-up."""
 
     PHASES = ("draft", "verify_forward", "acceptance", "cache_commit", "decisions", "bookkeeping")
 
     def __init__(self, engine):
         self.engine = engine
         self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
         self.decode_s = 0.0
         self.decode_steps = 0
         self.prefill_s = 0.0
@@ -116,7 +123,8 @@ class PhaseProbe:
                     probe.decode_s += dt
                     probe.decode_steps += 1
                 else:
-                    probe.totals[phase] += dt
+                    probe.totals[phase] = probe.totals.get(phase, 0.0) + dt
+                    probe.calls[phase] = probe.calls.get(phase, 0) + 1
 
         had_own = name in vars(obj)
         setattr(obj, name, timed)
@@ -158,7 +166,30 @@ class PhaseProbe:
             self._wrap(eng.drafting, "draft", "draft")
             self._wrap(eng.drafting, "stash", "cache_commit")
             self._wrap(eng.drafting, "flush", "cache_commit")
+            if getattr(eng.drafting, "program", None) is not None:  # timed apart, inside `draft`
+                self._wrap_program(eng.drafting)
         return self
+
+    def _wrap_program(self, drafting) -> None:
+        """Time the drafter package's calls (a sub-phase of `draft`, reported per call only)."""
+        program, probe = drafting.program, self
+
+        class Timed:
+            def __getattr__(self, name):  # fits, calls, ...: the package's own
+                return getattr(program, name)
+
+            def __call__(self, *args):
+                probe._sync()
+                t = time.perf_counter()
+                try:
+                    return program(*args)
+                finally:
+                    probe._sync()
+                    probe.totals["draft_package"] = probe.totals.get("draft_package", 0.0) + time.perf_counter() - t
+                    probe.calls["draft_package"] = probe.calls.get("draft_package", 0) + 1
+
+        drafting.program = Timed()
+        self._undo.append((drafting, "program", program))
 
     def __exit__(self, *exc):
         for obj, name, original in reversed(self._undo):
@@ -175,11 +206,13 @@ class PhaseProbe:
     def report(self) -> dict:
         """Milliseconds per decode step, per phase (bookkeeping = the rest of the step)."""
         n = max(self.decode_steps, 1)
-        ms = {k: 1e3 * v / n for k, v in self.totals.items()}
+        ms = {k: 1e3 * self.totals[k] / n for k in self.PHASES}
         ms["bookkeeping"] = max(0.0, 1e3 * self.decode_s / n - sum(v for k, v in ms.items() if k != "bookkeeping"))
+        per_call = {k: round(1e3 * self.totals[k] / c, 4) for k, c in self.calls.items() if c}
         return {"decode_steps": self.decode_steps, "step_ms": 1e3 * self.decode_s / n,
                 "phases_ms": {k: round(v, 4) for k, v in ms.items()}, "prefill_ms_total": 1e3 * self.prefill_s,
-                "unprobed": self.missing}
+                "calls_per_step": {k: round(c / n, 3) for k, c in self.calls.items() if c},
+                "per_call_ms": per_call, "unprobed": self.missing}
 
 
 class AdaptRunner:
