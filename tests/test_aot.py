@@ -328,3 +328,73 @@ def test_the_phase_probe_times_the_drafter_package_apart_and_puts_it_back(built)
     assert passes > 0 and probe.calls["draft_package"] == passes == probe.calls["draft"]
     assert 0 < report["per_call_ms"]["draft_package"] <= report["per_call_ms"]["draft"]
     assert "draft_package" not in report["phases_ms"]  # a part of `draft`, not a phase of its own
+
+
+@pytest.mark.parametrize("sel", [[1], [1, 2], [0, 2]])
+def test_a_pass_over_some_rows_runs_the_package_as_the_eager_pass_does(built, sel):
+    """Drafter passes over a subset of slots run the package (`DrafterContext.subset_kv`: views of
+    consecutive slots, a scratch copy of others), with the eager pass's logits over the same rows'
+    gathered context; the engine's cache keeps every column below the block as it was, and a copy
+    leaves it untouched altogether."""
+    _, _, _, engine = built
+    d, drafter, dc = engine.drafting, engine.drafter, engine.dcache
+    gen = torch.Generator().manual_seed(11)
+    for t in (*dc.k, *dc.v):
+        t.normal_(generator=gen)
+    before = [t.clone() for t in (*dc.k, *dc.v)]
+    B, Q, W = len(sel), 5, 30
+    tokens = torch.randint(0, engine.vocab, (B, Q), generator=gen)
+    masked = torch.ones(B, Q, dtype=torch.bool)
+    masked[:, 0] = False
+    mask = torch.zeros(B, 1, W)
+    mask[0, 0, 2:5] = float("-inf")
+    cos, sin = drafter.rope(torch.arange(W - Q, W).expand(B, Q), torch.float32, bound=dc.max_len)
+    want = drafter.block_logits(tokens, masked, dc.gather(torch.tensor(sel), W), mask, cos, sin)
+    calls = d.program.calls
+    got = d.block_pass(None, mask, (cos, sin), B, Q, W, everyone=False, subset=d.subset_kv(sel, W))(tokens, masked)
+    assert d.program.calls == calls + 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    consecutive = sel == list(range(sel[0], sel[0] + B))
+    for a, t in zip(before, (*dc.k, *dc.v)):
+        if consecutive:  # views: the block's columns of its rows are written, nothing else
+            assert torch.equal(a[:, :, : W - Q], t[:, :, : W - Q]) and torch.equal(a[:, :, W:], t[:, :, W:])
+            others = [s for s in range(dc.max_batch) if s not in sel]
+            assert torch.equal(a[others], t[others])
+        else:  # a scratch copy: the engine's cache as it was
+            assert torch.equal(a, t)
+
+
+def test_greedy_decoding_with_some_rows_drafting_runs_the_package_and_is_the_targets_own(built):
+    """Rows that draft beside rows that do not: their passes run the package (over a subset of
+    the slots) and greedy output stays the target's own; with `subset_rows` 0 the same passes
+    run eagerly, with the same tokens."""
+    target, drafter, cache, engine = built
+    prompts, params = PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = greedy_reference(target, prompts, MAX_TOKENS)
+    # rows 0 and 2 draft, row 1 does not: subsets of slots 0 and 2 (a copy), then one of them (views)
+    knobs = [DecodeKnobs(steps=1, draft_len=4), DecodeKnobs(steps=0, draft_len=0), DecodeKnobs(steps=1, draft_len=2)]
+    d = engine.drafting
+    saved = d.subset_rows
+    try:
+        for rows, name in ((8, "package"), (0, "eager")):
+            d.subset_rows, d._scratch = rows, None
+            passes = d.program.calls
+            adds = [(f"{name}{i}", p, params, kn) for i, (p, kn) in enumerate(zip(prompts, knobs))]
+            got = run_to_completion(engine, adds)
+            assert [got[f"{name}{i}"] for i in range(3)] == want
+            ran = d.program.calls - passes
+            assert (ran > MAX_TOKENS // 4) if rows else ran == 0, (name, ran)
+            assert (d._scratch is not None) == bool(rows)  # slots 0 and 2 drafted through a copy
+    finally:
+        d.subset_rows = saved
+
+
+def test_aot_draft_subsets_is_a_count_the_drafter_context_takes(built):
+    target, drafter, _, _ = built
+    for bad in (-1, 1.5, True):
+        with pytest.raises(Exception, match="aot_draft_subsets"):
+            Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
+                                aot_draft_subsets=bad))
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
+                                 aot_draft_subsets=3))
+    assert engine.drafting.subset_rows == 3 and EngineConfig().aot_draft_subsets == 0  # off by default

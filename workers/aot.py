@@ -305,10 +305,14 @@ class AotDraftPass:
     def fits(self, rows: int, block: int, window: int) -> bool:
         return rows <= self.max_batch and MIN_BLOCK <= block <= self.qmax and block < window < self.length
 
-    def __call__(self, tokens, masked, mask, cos, sin):
+    def __call__(self, tokens, masked, mask, cos, sin, kv: list[torch.Tensor] | None = None):
+        """One pass over the cache's first B = ``tokens.shape[0]`` slots, or over ``kv`` (every
+        layer's K, then every layer's V, each ``[B, kv_heads, cache length, head_dim]``: a copy of
+        some rows' context, `DrafterContext.subset_kv`), whose block columns it writes."""
         self.calls += 1
         B = tokens.shape[0]
-        kv = self._kv_rows.get(B)
+        if kv is None:
+            kv = self._kv_rows.get(B)
         if kv is None:  # made once per batch size: slicing every layer's K and V per call costs ops
             kv = self._kv_rows[B] = [t[:B] for t in self.kv]
         flat = self.loader.boxed_run([tokens, masked, mask, cos, sin, *kv])

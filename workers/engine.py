@@ -89,7 +89,13 @@ class EngineConfig:
     CPU, measure at load whether decode calls of very few tokens run faster padded to a few more
     (`AotTarget.calibrate_padding`, ~1.5 s; `aot_info["pad"]`) and pad those that do (off by
     default: faster steps at one row, but the adaptive policy's choices at 2 and 8 rows lost ~7 %
-    with it, docs/engine.md); suffix:
+    with it, docs/engine.md); aot_draft_subsets: with "aot", drafter passes over a subset of the
+    batch's rows (some rows draft by diffusion, others copy or decode plainly) of at most this
+    many rows run the drafter's package over their slots or a scratch copy of their context
+    (`DrafterContext.subset_kv`) instead of the eager pass: ~0.7–1.9 ms faster a pass on SmolLM2,
+    but **0 (eager) by default**: with cheaper passes the adaptive policy drafted at 8 requests,
+    where drafting loses on a CPU, and measured 0.94–0.99x `ar` there against ~1.0x
+    (docs/benchmarks.md, stop 58); suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
     (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
@@ -122,6 +128,7 @@ class EngineConfig:
     compile: bool | str = False
     aot_build: bool = True
     aot_pad: bool = False
+    aot_draft_subsets: int = 0
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
     pack: bool | str = "auto"
@@ -142,6 +149,9 @@ class Engine:
         if not 0.0 < config.draft_temperature_scale <= 4.0:
             raise EngineInputError("draft_temperature_scale must be in (0, 4], got "
                                    f"{config.draft_temperature_scale}")
+        if isinstance(config.aot_draft_subsets, bool) or not isinstance(config.aot_draft_subsets, int) \
+                or config.aot_draft_subsets < 0:
+            raise EngineInputError(f"aot_draft_subsets must be an int >= 0, got {config.aot_draft_subsets!r}")
         dev = config.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -220,7 +230,8 @@ class Engine:
                 context_kv = compile_forward(self.drafter, "context_kv", bound=cap)
             self.drafting = DrafterContext(self.drafter, context_kv, draft_pass, config.max_batch, cap,
                                            len(self.capture) * tcfg.hidden_size, self.dtype, self.device,
-                                           temperature_scale=config.draft_temperature_scale)
+                                           temperature_scale=config.draft_temperature_scale,
+                                           subset_rows=config.aot_draft_subsets)
             if self.aot:  # the denoising passes over every row from the drafter's package
                 self._load_aot_drafter(config.aot_build)
         if self.compiled:  # the buffers' shapes are constants of the compiled programs
