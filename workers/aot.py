@@ -307,8 +307,9 @@ class AotDraftPass:
 
     def __call__(self, tokens, masked, mask, cos, sin, kv: list[torch.Tensor] | None = None):
         """One pass over the cache's first B = ``tokens.shape[0]`` slots, or over ``kv`` (every
-        layer's K, then every layer's V, each ``[B, kv_heads, cache length, head_dim]``: a copy of
-        some rows' context, `DrafterContext.subset_kv`), whose block columns it writes."""
+        layer's K, then every layer's V, each ``[B, kv_heads, cache length, head_dim]``: other
+        slots of the cache or a copy of their context, `DrafterContext.subset_kv`), whose block
+        columns it writes."""
         self.calls += 1
         B = tokens.shape[0]
         if kv is None:

@@ -129,8 +129,8 @@ class DrafterContext:
         self.program = None
         # the context commit of `flush` from a compiled package (`AotContextWrite`), or None
         self.writer = None
-        # passes over a subset of at most this many rows run the package too, over a scratch copy
-        # of their context (`subset_kv`; 0: such passes run eagerly over gathered copies)
+        # passes over a subset of at most this many rows run the package too, over their slots or
+        # a scratch copy of their context (`subset_kv`; 0: eagerly over gathered copies)
         self.subset_rows = int(subset_rows)
         self._scratch: KVCache | None = None  # made at the first such pass, grown to the rows it needs
 
@@ -211,8 +211,8 @@ class DrafterContext:
                    everyone: bool = True, subset: list[torch.Tensor] | None = None):
         """One denoising pass as a function ``(tokens, masked) [rows, block] -> logits [rows,
         block − 1, Vd]``: the drafter package's where it takes the shape (``everyone``: a pass over
-        the cache's first ``rows`` slots, every row of the batch; or ``subset``: `subset_kv`'s copy
-        of some rows' context), else the engine's own pass over ``ctx`` (per-layer cache views or
+        the cache's first ``rows`` slots, every row of the batch; or ``subset``: `subset_kv`'s views
+        or copy of some rows' context), else the engine's own pass over ``ctx`` (per-layer cache views or
         gathered copies, ``window`` columns). mask: [rows, 1, window] additive, or None (every row
         attends to every column); rope: (cos, sin)."""
         if (everyone or subset is not None) and self.program is not None and self.program.fits(rows, block, window):
@@ -266,7 +266,7 @@ class DrafterContext:
         lens = [batch.lengths_host[i] for i in rows]
         C = max(lens)
         W = C + K + 1  # context columns, then the block's
-        subset = None  # a subset of rows: the package over a copy of their context where it takes them
+        subset = None  # a subset of rows: the package over their slots or a copy where it takes them
         if not everyone and self.program is not None and Bd <= self.subset_rows and self.program.fits(Bd, K + 1, W):
             ctx, subset = None, self.subset_kv(rows, W)
         else:
