@@ -398,3 +398,24 @@ def test_aot_draft_subsets_is_a_count_the_drafter_context_takes(built):
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
                                  aot_draft_subsets=3))
     assert engine.drafting.subset_rows == 3 and EngineConfig().aot_draft_subsets == 0  # off by default
+
+
+def test_the_phase_probe_times_subset_passes_too(built):
+    """Under `PhaseProbe`, passes over a subset of slots (the package called with ``kv=``) are
+    timed as the package's calls and decode as without the probe."""
+    from adapt.bench.speed_runners import PhaseProbe
+
+    target, drafter, cache, engine = built
+    d = engine.drafting
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    knobs = [DecodeKnobs(steps=1, draft_len=4), DecodeKnobs(steps=0, draft_len=0)]
+    want = greedy_reference(target, PROMPTS[:2], MAX_TOKENS)
+    saved, d.subset_rows = d.subset_rows, 8
+    try:
+        before = d.program.calls
+        with PhaseProbe(engine) as probe:
+            got = run_to_completion(engine, [(f"sub{i}", p, params, kn) for i, (p, kn) in enumerate(zip(PROMPTS, knobs))])
+    finally:
+        d.subset_rows = saved
+    assert [got["sub0"], got["sub1"]] == want
+    assert probe.calls["draft_package"] == d.program.calls - before > 0

@@ -107,6 +107,13 @@ class PhaseProbe:
         if original is None:  # the engine changed shape: that phase folds into bookkeeping
             self.missing.append(f"{type(obj).__name__}.{name}")
             return
+        had_own = name in vars(obj)
+        setattr(obj, name, self._timed(original, phase))
+        self._undo.append((obj, name, original if had_own else None))
+
+    def _timed(self, original, phase: str | None):
+        """``original`` timed into ``phase`` (its totals and calls) inside decode steps; phase None:
+        the decode step itself."""
         probe = self
 
         def timed(*args, **kwargs):
@@ -126,9 +133,7 @@ class PhaseProbe:
                     probe.totals[phase] = probe.totals.get(phase, 0.0) + dt
                     probe.calls[phase] = probe.calls.get(phase, 0) + 1
 
-        had_own = name in vars(obj)
-        setattr(obj, name, timed)
-        self._undo.append((obj, name, original if had_own else None))
+        return timed
 
     def __enter__(self):
         eng = self.engine
@@ -172,21 +177,14 @@ class PhaseProbe:
 
     def _wrap_program(self, drafting) -> None:
         """Time the drafter package's calls (a sub-phase of `draft`, reported per call only)."""
-        program, probe = drafting.program, self
+        program, call = drafting.program, self._timed(drafting.program, "draft_package")
 
         class Timed:
             def __getattr__(self, name):  # fits, calls, ...: the package's own
                 return getattr(program, name)
 
-            def __call__(self, *args):
-                probe._sync()
-                t = time.perf_counter()
-                try:
-                    return program(*args)
-                finally:
-                    probe._sync()
-                    probe.totals["draft_package"] = probe.totals.get("draft_package", 0.0) + time.perf_counter() - t
-                    probe.calls["draft_package"] = probe.calls.get("draft_package", 0) + 1
+            def __call__(self, *args, **kwargs):
+                return call(*args, **kwargs)
 
         drafting.program = Timed()
         self._undo.append((drafting, "program", program))
