@@ -20,8 +20,8 @@ OUT/summary.json is rewritten after every section with each one's status and the
 
 Models: `--pair NAME` (default `demo`) is the project's named pair (`workers.pairs`; else
 `models/NAME/{target,drafter}`), never pulled: a device machine cannot fetch, and only 64 MiB of
-working tree travels to it; `--target/--drafter` override it. The replay reads `results/policies/traces/explore.jsonl` and
-`results/policies/policy.json` (the predictor fitted on them) unless told otherwise.
+working tree travels to it; `--target/--drafter` override it. The replay reads `results/policies/demo/traces/explore.jsonl` and
+`results/policies/demo/policy.json` (the predictor fitted on them) unless told otherwise.
 `--budget-s` skips sections that would start too late (a device run has a hard time limit).
 Exit status 0 when every section that ran passed its checks.
 """
@@ -361,8 +361,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sections", default="all", help=f"comma-separated, of {', '.join(SECTIONS)} (default all; "
                                                      "on CPU with --quick all but compiled)")
     p.add_argument("--speed-rows", default="adapt,adapt-ar,hf", help="rows of the speed section")
-    p.add_argument("--traces", type=Path, default=REPO_ROOT / "results" / "policies" / "traces" / "explore.jsonl")
-    p.add_argument("--policy-file", type=Path, default=REPO_ROOT / "results" / "policies" / "policy.json")
+    p.add_argument("--traces", type=Path, default=REPO_ROOT / "results" / "policies" / "demo" / "traces" / "explore.jsonl")
+    p.add_argument("--policy-file", type=Path, default=REPO_ROOT / "results" / "policies" / "demo" / "policy.json")
     p.add_argument("--budget-s", type=float, default=0.0, help="time budget: skip sections that cannot fit (0 = none)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

@@ -1,9 +1,9 @@
 """`adapt bench policies`: every policy, live through the engine and by trace replay, across loads
 and workloads, against the best static configuration.
 
-    adapt bench policies --out results/policies            # full: loads 1..64, default pair
+    adapt bench policies --out results/policies/smollm2   # full: loads 1..64, default pair
     adapt bench policies --quick --out /tmp/pol            # < 10 min on 2 cores
-    adapt bench policies --pair demo --quick --workloads chat,edit --out results/policies-demo-workloads
+    adapt bench policies --pair demo --quick --workloads chat,edit --out /tmp/pol-demo
 
 Policies: the baselines `ar` (never drafts: every row at draft_len 0), `static` (s = 1, full
 block), `batch-schedule`, `dspark` and `suffix` (every row drafts from the suffix drafter,

@@ -1,6 +1,6 @@
 """`adapt bench speed`: our engine against transformers and vLLM's CPU build, side by side.
 
-    adapt bench speed --out results/speed                  # smollm2 pair, batch 1 and 8, 128 tokens
+    adapt bench speed --out results/speed/smollm2          # smollm2 pair, batch 1 and 8, 128 tokens
     adapt bench speed --pair demo --quick --rows adapt,adapt-ar,hf     # a short look
     adapt bench speed --prompts my_prompts.jsonl           # your own prompts
 
@@ -136,7 +136,7 @@ def add_parser(subparsers) -> None:
                         "(adapt/replay.py: spread_length), instead of --max-tokens each; our engine rows only "
                         "(default 0: equal lengths, where autoregressive rows finish in lockstep)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-phase profile of our step")
-    p.add_argument("--out", type=Path, default=Path("results/speed"), help="output directory (speed.json, speed.png, speed.md)")
+    p.add_argument("--out", type=Path, default=Path("results/speed/smollm2"), help="output directory (speed.json, speed.png, speed.md)")
     p.add_argument("--quick", action="store_true", help="one round of 32 tokens (a smoke run; numbers are rough)")
     p.set_defaults(run=run)
 

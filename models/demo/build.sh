@@ -21,8 +21,8 @@ $PY -m adapt.cli train-drafter --target models/demo/target --out models/demo/dra
 
 # 3. The demo policy file (what `adapt serve` starts with): the adaptive policy with its acceptance
 #    predictor fitted on `explore` traces of this pair (every serving worker profiles its own cost).
-$PY -m adapt.cli bench policies --out results/policies --seed 0
-cp results/policies/policy.json models/demo/policy.json
+$PY -m adapt.cli bench policies --out results/policies/demo --seed 0
+cp results/policies/demo/policy.json models/demo/policy.json
 
 # 4. Shipped files only (checkpoints and the regenerated pool stay out), then the manifest.
 rm -rf models/demo/target/checkpoint models/demo/drafter/checkpoint

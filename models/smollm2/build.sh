@@ -45,8 +45,8 @@ $PY -m adapt.cli train-drafter --target "$TARGET" --features runs/smollm2-seed3/
 $PY -m workers.training.chat_eval --target "$TARGET" --drafter models/smollm2/drafter --prompts 48 \
     --max-tokens 128 --steps 1 --temperatures 0 1 --threads 2 --out models/smollm2/drafter/eval.json
 $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out models/smollm2/heldout_prompts.jsonl
-$PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies-smollm2 --seed 0
-cp results/policies-smollm2/policy.json models/smollm2/policy.json
+$PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies/smollm2 --seed 0
+cp results/policies/smollm2/policy.json models/smollm2/policy.json
 $PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 24 --max-tokens 96 --threads 2
 # (stop 45) one denoising step: the shipped drafter wins nothing from a second (live, mixed workload)
 $PY -m adapt.cli policy set models/smollm2/policy.json --settings '{"steps_grid": [1]}'
