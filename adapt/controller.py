@@ -234,7 +234,8 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
       cheaper than it was).
 
     ``shuffle``: each sweep of the tables times its points in its own order (`CostModel.profile`);
-    False: the grid's order (before stop 56).
+    False: the grid's order, in which a call always follows the same other calls and a profile
+    can price one draft source out (see `CostModel.profile`).
 
     Must run before the engine has running requests (it writes scratch entries into cache slots).
     """

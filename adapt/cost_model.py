@@ -32,7 +32,7 @@ DEFAULT_TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # token counts a start-up profile times the target forward at: every count up to 8, then coarser.
 # A compiled forward's cost is not linear between powers of two at few tokens: SmolLM2's package on
-# this CPU (stop 54, one row, ms) took 13.8, 14.4, 14.0, 14.3, 14.9, 15.3, 17.6, 18.7 for 1 .. 8
+# a 2-core CPU (one row, ms) took 13.8, 14.4, 14.0, 14.3, 14.9, 15.3, 17.6, 18.7 for 1 .. 8
 # tokens (the matmuls turn compute-bound past 6), which a table through 1, 2, 4, 8 priced at up to
 # 1.2 ms (8 %) over its cost at 5 and 6: the drafts a policy verifies there.
 PROFILE_TOKEN_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256, 512, 1024)
@@ -42,7 +42,7 @@ OVERHEAD_SHARE = 0.5  # share of a measured step's residual that online correcti
 # (a page fault, a noisy neighbour) then moves a table point by at most `rate` of a step instead
 # of `rate` of the whole stall: unbounded, one 600 ms stall of a drafting step would raise the
 # draft table by 30 ms and price drafting out, and a source priced out is never measured again to
-# correct it (stop 56). A real change of cost still moves the tables, each step by up to `rate`
+# correct it. A real change of cost still moves the tables, each step by up to `rate`
 # times the bound, and the bound grows with the prediction as it learns.
 RESIDUAL_BOUND = 1.0
 # Steps after which an online estimate that no measurement has touched is *stale*: a table point's
@@ -59,9 +59,9 @@ class Table:
     The points live in plain Python lists (``_xs``, ``_ys``): the online correction moves two of
     them every step (`nudge`) and the scalar path (`at`) reads them, both without tensor ops; the
     tensor path (``__call__``) reads per-segment slopes and intercepts rebuilt, in one tensor, only
-    after the points moved. (Until stop 51 the points were tensors: each nudge made new ones and
-    the next scalar or tensor evaluation re-derived its caches, ~10 small tensor ops a step; live
-    on SmolLM2 `CostModel.observe` went from 53 to 40 µs a call, the rest within a step's noise.)"""
+    after the points moved. (Points held as tensors cost ~10 small tensor ops a step: each nudge
+    made new ones and the next evaluation re-derived its caches; live on SmolLM2
+    `CostModel.observe` takes 40 µs a call with lists against 53 µs with tensors.)"""
 
     def __init__(self, xs: Sequence[float], ys: Sequence[float], name: str = "table"):
         xs_t = torch.tensor(list(xs), dtype=torch.float64)
@@ -195,7 +195,7 @@ def sweep_medians(calls: Sequence[Callable[[], None]], repeats: int, shuffle_see
     timed in ``repeats`` *sweeps*, each sweep timing every call once: a machine whose speed drifts
     (another process, a noisy neighbour) slows every call of a sweep alike, instead of inflating
     the few timed during the slow spell, as timing one call ``repeats`` times and then the next
-    would (stop 42: draft-pass profiles of one engine ranged 5.3–9.7 ms that way). Each sweep
+    would (draft-pass profiles of one engine ranged 5.3–9.7 ms that way). Each sweep
     visits the calls in its own random order (seeded by ``shuffle_seed``; None: the given order,
     every sweep): in a fixed order the same call always follows the other model's calls, whose
     weights have pushed the next call's out of the caches, and only that call pays for it (stop

@@ -5,7 +5,7 @@ rejection. The law fitted has two parameters per bucket of match lengths: the fi
 token is accepted with probability ``c₁(m)`` and each later one, given the ones before it were,
 with ``c(m)`` (a geometric law cut at the draft length k when the two are equal). Copies *run
 on*: once the first token of a copy is right, the next ones are more likely right too (measured
-on SmolLM2's mixed workload, stop 19: 0.42 → 0.49 at match 2, 0.67 → 0.81 at match 4). Their
+on SmolLM2's mixed workload: 0.42 → 0.49 at match 2, 0.67 → 0.81 at match 4). Their
 maximum-likelihood estimates from records with `accepted` = a of k are
 
     c₁(m) = #[a ≥ 1] / #records
@@ -21,7 +21,7 @@ report.
 **Vote shares.** Each drafted token carries the share of the draft's candidates that voted for it
 (workers/suffix.py; the trace's ``confidence`` of a suffix record). A contested token is a much
 worse bet than a unanimous one at the same match length (SmolLM2, static suffix drafting on
-chat, code and edit prompts, the stop-20 traces: a first token at match 2 was accepted 0.10 of
+chat, code and edit prompts: a first token at match 2 was accepted 0.10 of
 the time below a half share, 0.21 below 0.99 and 0.58 at 1.0). The law is therefore per *slot*: slot j is accepted, given the slots before it
 were, with probability ``min(1, c(m) · s(v_j))`` (``c₁`` for the first), where ``s`` is a scale
 per bucket of vote shares (``VOTE_EDGES``), 1 for unanimous tokens and non-decreasing in the
@@ -31,7 +31,7 @@ the estimate above). The report compares the per-slot log-loss with and without 
 
 **Temperature classes.** Greedy rows (T = 0) and sampled rows (T > 0) get a table each: a sampled
 row accepts a copied token with the target's probability of it, not whenever it is the argmax,
-so the same copy wins less (SmolLM2, 48 mixed prompts, stop 25: the greedy-fitted table predicted
+so the same copy wins less (SmolLM2, 48 mixed prompts: the greedy-fitted table predicted
 1.05x what greedy drafts won and 1.15x what sampled ones at T = 0.8 won; `fit_suffix_accept`).
 """
 

@@ -59,24 +59,24 @@ diffusion, no suffix draft), the policy *holds* that answer for the next ``h`` s
 batch keeps the same requests: ``h`` = 1, 2, 4, … up to ``hold_max`` over consecutive plain
 decisions, back to deciding every step as soon as one drafts. A row's share, not the whole
 step: deciding delays every row of the step, while what it may catch (one row's copy) wins that
-row's tokens. On SmolLM2 here (stop 36) deciding took ~1.5 ms of a ~55 ms 8-row step: 3 % of
+row's tokens. On SmolLM2 on a 2-core CPU deciding took ~1.5 ms of a ~55 ms 8-row step: 3 % of
 the step, 22 % of a row's share; holding there took the policy from 0.91x to 0.95-0.96x
 autoregressive decoding at batch 8 (interleaved runs of equal-length requests), while at batch 1
 (1 ms of a ~38 ms step) it decides every step. (On a larger target deciding is ~2 % of a step
 and holding would only react late to copies.) While holding it reads no suffix drafts (the
 engine skips proposing them) and answers without computing anything. Requests leaving the batch
 keep the hold; requests joining it keep it too where the batch has at least ``hold_joins_rows``
-(8) rows (they take plain steps until it runs out: stop 50, at 8 requests a join comes every few
+(8) rows (they take plain steps until it runs out: at 8 requests a join comes every few
 steps and ended half the holds; at 2 and 4 requests holding through joins lost 1–3 %), else a
 join ends it. A held step still tells the policy its outcome (latency
 book-keeping, the online cost model).
 
 Draft span (``span_headroom``): the drafter denoises only the block positions a row may verify
 (`draft_span`, asked by the engine before drafting): the plan's longest diffusion draft plus
-``span_headroom`` (1; 2 until stop 54) positions, not the whole block of 16. On SmolLM2 the first
+``span_headroom`` (1) positions, not the whole block of 16. On SmolLM2 the first
 k positions of a truncated block draft as well as the whole block's (greedy τ within ±1.5 % for
-k = 1…8, stop 37), and a pass over 5 positions instead of 17 costs 2.6 instead of 4.0 ms at one
-row, 8.8 instead of 17.6 ms at eight. One position of headroom rather than two (stop 54): on the
+k = 1…8), and a pass over 5 positions instead of 17 costs 2.6 instead of 4.0 ms at one
+row, 8.8 instead of 17.6 ms at eight. One position of headroom rather than two: on the
 compiled target a forward over 5–6 positions costs ~1 ms (5 %) more than over 3–4 at one row, for
 the few tokens a diffusion draft wins that far; measured +1.3 % goodput at one request on the
 mixed workload (three interleaved runs: +2.4, +2.2, −1.0 %; 14 of 20 rounds ahead), a small gain
@@ -245,7 +245,7 @@ class AdaptivePolicy(Policy):
     def sla_clock(self) -> str:
         """How a row's time per token is measured against its target: "wall" (as the client
         measures it, other requests' prefills included; `RequestBook`) or "decode" (the sum of the
-        decode steps it took part in, the policy's measure before stop 21)."""
+        decode steps it took part in, which misses other requests' prefills)."""
         return "wall" if self.book.wall_clock else "decode"
 
     @sla_clock.setter
@@ -337,7 +337,7 @@ class AdaptivePolicy(Policy):
         here ~3 ms of an 8-row step of ~55 ms, under half of a row's ~7 ms share), not a step of the
         batch; so drafting for rows ahead (above all copying long suffix drafts, which widen the
         whole step) is worth a fraction of what it is worth where a waiting or arriving request
-        would take the freed slot. Measured without it (stop 38, 8 equal-length requests): the
+        would take the freed slot. Measured without it (8 equal-length requests): the
         policy widened steps by 21 % for 3 % fewer steps, 0.935x autoregressive decoding, while its
         mean request latency was 9 % lower."""
         B = len(rows.request_ids)
@@ -506,13 +506,13 @@ class AdaptivePolicy(Policy):
         that maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_{r switching} w_r · (win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
         diffusion row that switches no longer pays its drafter passes). Only rows whose copy wins
-        more than their plan (``win_r > extra_r``) switch. With ``copies_save`` (off by default;
-        stop 51) each candidate comes a second time with every row it gives slots switching, so
+        more than their plan (``win_r > extra_r``) switch. With ``copies_save`` (off by default)
+        each candidate comes a second time with every row it gives slots switching, so
         that a copy which wins fewer tokens than a row's diffusion draft but costs less (no drafter
         pass) can be chosen: at 2 requests on SmolLM2's mixed workload it took copies on 33–36 %
         of steps instead of 26 % and measured 0.967× / 0.937× static suffix drafting against
         0.982× / 0.970× without it (two interleaved runs); 1.093× against 1.090× at one request.
-        With ``copies_drop`` (off by default; stop 52) each candidate in which some row takes its
+        With ``copies_drop`` (off by default) each candidate in which some row takes its
         copy while others keep diffusion drafts comes a second time with those others plain (their
         planned extra tokens lost, no drafter pass): at 2 requests a step whose copy row sat beside
         a plain row earned more per ms than one beside a diffusing row (0.16–0.22 against
@@ -583,7 +583,7 @@ class AdaptivePolicy(Policy):
             value = torch.where(keeps, value, 0.0)
         best = int(torch.argmax(value))
         # taking drafts must be predicted `suffix_margin` better than the plan (default 0: with
-        # calibrated costs, any margin only declines drafts that pay; stop 20 measured 1.05x on
+        # calibrated costs, any margin only declines drafts that pay; measured 1.05x on
         # mixed at 1 request without it, against 0.99x with 5 %)
         if best == 0 or value[best] <= value[0] * (1.0 + self.suffix_margin):
             self._suffix_k = torch.zeros(B, dtype=torch.int64)
@@ -640,7 +640,7 @@ class AdaptivePolicy(Policy):
         the sums too (`SUFFIX_IDLE_DECAY`), so a ratio that stopped all drafting returns towards 1
         and drafts are retried on new evidence. The table is fitted on one set of
         prompts; on others a copy may run on less (or more) than it says. Measured on SmolLM2's
-        edit workload at batch 1 (stop 23), the static table's drafts won fewer tokens than
+        edit workload at batch 1, the static table's drafts won fewer tokens than
         predicted and cost more than plain steps saved; the ratio scales every slot's
         acceptance, so the choice prices drafts at what they win here."""
         if not self.suffix_recalibrate:
@@ -656,8 +656,8 @@ class AdaptivePolicy(Policy):
         `RequestBook.observe_suffix`). Requests differ more than prompts of one kind do: on the
         mixed workload an edit answer's copies run on where a chat answer's rarely do, and one
         global ratio carried from request to request prices the next one by the last ones. Off by
-        default: in interleaved runs on SmolLM2's mixed workload it measured no gain (stop 24,
-        docs/benchmarks.md)."""
+        default: in interleaved runs on SmolLM2's mixed workload it measured no gain
+        (docs/benchmarks.md)."""
         g = self.suffix_accept_ratio
         won = ctx["suffix_won"].cpu()                                                  # [B]
         if not (self.suffix_recalibrate and self.suffix_per_request):
@@ -695,7 +695,7 @@ class AdaptivePolicy(Policy):
         curves by it, so the planned extra tokens that the level greedy (which step count) and
         the suffix choice (`_take_suffix`) weigh are what diffusion drafts win here. The prior is
         fitted on traces of one drafter and workload, drafting every row with the whole block;
-        measured live on SmolLM2's mixed workload at one request (stop 45), greedy drafts of two
+        measured live on SmolLM2's mixed workload at one request, greedy drafts of two
         denoising steps won 0.72 extra tokens where the plan predicted 1.00, one step 0.95 where
         it predicted 0.80 (the shipped drafter gains nothing from a second step), so without
         the ratio the plan paid for a second drafter pass on most greedy steps."""
@@ -745,23 +745,23 @@ class AdaptivePolicy(Policy):
         resolution, attention over the drafted positions, the acceptance path): the difference
         of the two kinds' residual EMAs in the batch's size bucket (`batch_bucket`), else in the
         nearest bucket that saw both kinds, times the ratio of the two buckets where that one is
-        smaller (`overhead_scales`: the cost grows with the rows; measured, stop 49: the first
+        smaller (`overhead_scales`: the cost grows with the rows; measured: the first
         drafting steps of 31 rows, priced from 4-row steps, took 1.3–1.5x their prediction,
         207 ms for 136 predicted); 0 until some bucket did (so a source not tried yet is tried).
-        Per batch size, because it grows with the batch: on SmolLM2 here (stop 18,
-        `scripts/step_costs.py`) one row verifying 2 drafts added ~1 ms to a 1-row step and
+        Per batch size, because it grows with the batch: on SmolLM2 on a 2-core CPU without
+        native bf16 one row verifying 2 drafts added ~1 ms to a 1-row step and
         ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
         see. With ``overhead_by_source`` (off by default) per source, since the tables miss
         different things for each (a suffix step verifies one row's long copy, a diffusion step
         pays drafter passes and short drafts on many rows); else one estimate over every drafting
-        step ("draft") prices both. Per source measured worse live at 2 and 8 requests (stop 45,
-        docs/controller.md: at 8 rows the combined estimate, which diffusion steps make dear,
+        step ("draft") prices both. Per source measured worse live at 2 and 8 requests
+        (docs/controller.md: at 8 rows the combined estimate, which diffusion steps make dear,
         kept copies from widening the batch).
 
         A **credit** (``credit``, default ``draft_credit``, on): where drafting steps ran *under*
         the tables by more than plain steps did, diffusion plans get the difference back as a
         negative extra, at most one drafter pass of the batch (`CostModel.draft_ms_at`). A start-up
-        profile that overprices drafting (stop 56: diffusion steps 12 ms under the tables, drafted
+        profile that overprices drafting (measured: diffusion steps 12 ms under the tables, drafted
         on 0.5–44 % of steps) is then corrected within a few drafting steps instead of the tables'
         slow online correction, which only drafting steps move. The tables themselves always learn
         the measured time (`_table_ms` takes no credit), so the residual, and the credit with it,
@@ -996,7 +996,7 @@ class AdaptivePolicy(Policy):
         ``1 + best_extra`` tokens [B] (its most expected extra tokens of a draft, over the whole
         block at the best step count). A row out of reach gains nothing from being weighted up:
         the tokens its weight buys cost the batch's throughput and meet no target. Measured
-        (stop 49, load 32): drafting for ~11 rows two to three times behind a 39 ms target, in
+        (load 32): drafting for ~11 rows two to three times behind a 39 ms target, in
         90 ms plain steps, took steps to 218 ms for 45 tokens (0.21 tokens/ms against 0.35
         plain). Rows without a target count as within reach (their weight is 1 anyway)."""
         T = ctx["tpot_ms"].cpu()                                                       # [B] inf = none

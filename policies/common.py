@@ -60,7 +60,7 @@ class RequestBook:
     lateness of a request is ``(elapsed / tokens) / tpot_target``. With ``wall_clock`` (default),
     where the rows carry their wall time since their first token (`RowState.decode_ms`, the live
     engine), elapsed and tokens are those of the client's TPOT instead: wall time, which counts the
-    other requests' prefills between decode steps (stop 21: at 16 requests on the mixed workload
+    other requests' prefills between decode steps (at 16 requests on the mixed workload
     prefills were 28-42 % of the wall time, which the sum of decode steps never saw).
     While the batch keeps the same requests in the same order (most steps), everything stays in
     tensors and a step costs a few tensor ops; when the batch changes, the per-request values move

@@ -124,7 +124,7 @@ def test_the_drafter_package_writes_only_its_rows_slots(built, tmp_path):
     """A pass over the first B slots leaves every slot past them as it was, bit for bit, also for
     a package exported at B = its cache's slots (2: given the whole cache as input, such a program
     wrote non-finite block columns into slot 1 on one-row passes; a request admitted there later
-    drafted NaN laws, stop 46), and its logits are the eager pass's."""
+    drafted NaN laws), and its logits are the eager pass's."""
     _, _, _, engine = built
     drafter = engine.drafter
     cache = KVCache(len(engine.dcache.k), 2, engine.dcache.k[0].shape[1], engine.dcache.max_len,
@@ -283,9 +283,9 @@ def test_compile_options_of_the_clis():
 
 def test_a_request_joining_a_slot_with_non_finite_drafter_context_drafts_finite_laws(built):
     """A request admitted into a slot whose drafter context holds non-finite values (as drafter
-    packages built before stop 46 left in free slots: the test above) attends to those columns,
+    packages given the whole cache left in free slots: the test above) attends to those columns,
     shorter than a running row, under the longer row's window with weight 0, and 0 × inf made its
-    draft law NaN (its drafts all rejected; the policy's λ NaN for good; stop 45). Admission
+    draft law NaN (its drafts all rejected; the policy's λ NaN for good). Admission
     zeroes the slot's drafter context: with every slot's context non-finite beforehand, every
     draft law of a joining row is finite and decoding stays the target's own."""
     target, _, _, engine = built

@@ -90,7 +90,7 @@ def test_a_decision_maker_without_draft_span_drafts_the_whole_block():
 
 def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     rows = make_rows(3, K=16)
-    assert policies.get("adaptive").span_headroom == 1  # the default since stop 54
+    assert policies.get("adaptive").span_headroom == 1  # the default: one position past the plan (docs/policies.md)
     p = policies.get("adaptive", flat_share=0.0, span_headroom=2)
     toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
     p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
@@ -159,7 +159,7 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
 def test_a_suffix_row_verifying_past_the_span_beside_a_sampled_diffusion_row():
     """A greedy row copying 8-token suffix drafts (its own earlier answer, in the suffix drafter's
     memory) beside a sampled row whose diffusion drafts span 2 positions: q is 2 wide, the copy
-    verifies up to 8 in the same step (this raised an IndexError before stop 44). The copy's
+    verifies up to 8 in the same step (q narrower than the copy must not index past q). The copy's
     output is still the target's own."""
     engine = _engine()
     widths = []

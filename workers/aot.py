@@ -176,7 +176,7 @@ class DraftPassForward(nn.Module):
     [B, kv_heads, cache length, head_dim] (the block's keys and values are written into columns
     W − Q .. W). Only those slots are inputs: given the whole cache, a program exported at B =
     max_batch (a cache of 2 slots) also wrote the block columns of the slots past B, with
-    non-finite values (AOTInductor, torch 2.13, CPU; stop 46).
+    non-finite values (AOTInductor, torch 2.13, CPU).
     Returns logits [B, Q − 1, Vd] float32 over the draft vocabulary."""
 
     def __init__(self, drafter: nn.Module):

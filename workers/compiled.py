@@ -33,7 +33,7 @@ function gets its own copy of the wrapper's code.
 A **call pattern** is a path through the forward's Python branches (one start for all rows or
 not, one new token or several, logits for all positions or some): each compiles on its first
 call, 15-30 s on 2 cores (every process compiles anew: torch's on-disk caches refuse frozen graphs
-and cannot store the packed oneDNN weights in them; docs/engine.md, stop 39).
+and cannot store the packed oneDNN weights in them; docs/engine.md, "Why the compiled programs are not cached across processes").
 `warm_up` compiles the ones the engine uses before serving. Numerics are inductor's: the same
 math with its own fusion and reduction order, so logits differ from the eager forward by rounding
 (exactness tests compare decoding within one forward mode).

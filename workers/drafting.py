@@ -143,7 +143,7 @@ class DrafterContext:
         """Write the context of prompts prefilled into slots row0 .. row0 + m (hidden [m, P, width]),
         after zeroing those slots, so that a new request never depends on what a slot held before:
         its masked columns (past its length, under a longer row's window) enter attention with
-        weight 0, and 0 times a non-finite value is NaN. (Drafter packages built before stop 46
+        weight 0, and 0 times a non-finite value is NaN. (A drafter package given the whole cache
         wrote non-finite block columns into free slots; workers/aot.py `DraftPassForward`.)"""
         m, P = hidden.shape[:2]
         for t in (*self.cache.k, *self.cache.v):

@@ -1,8 +1,8 @@
 """Interleaved runs: several live runs (`adapt.bench.live.LiveRun`) taking turns step by step on one
 machine, each timed by its own clock.
 
-Why: this machine's speed drifts. The same matmul work, timed once a second, took 180–329 ms
-(stop 23), and one policy's two runs at the same load, minutes apart, differed by up to 20 %.
+Why: this machine's speed drifts. The same matmul work, timed once a second, took 180–329 ms,
+and one policy's two runs at the same load, minutes apart, differed by up to 20 %.
 Runs made one after another compare a policy with the machine's mood; a 3 % tuning change cannot
 be seen. Here every policy gets its own engine (same pair, same config, own model copy and
 caches) and the runs advance in turns: one engine step of the first run, one of the second, …,
@@ -63,9 +63,9 @@ def scenario_instance(prompts: list | None, round_index: int, requests: int, see
     one **instance** of the scenario: its rounds replicate the machine's noise, not the scenario's
     (which requests overlap, what each copies, what sampled rows draw). With ``vary`` round ``r``
     serves its own instance: the prompt list rotated by ``r · requests`` (the next unused prompts
-    first) and seed ``seed + r``; round 0 is the fixed instance. Measured (stop 52, SmolLM2, mixed,
-    two requests): the adaptive policy against static suffix drafting was 0.957× on round 0's
-    instance, which every earlier run served, and 1.035–1.053× on three others."""
+    first) and seed ``seed + r``; round 0 is the fixed instance. Measured (SmolLM2, mixed, two
+    requests): the adaptive policy against static suffix drafting was 0.957× on round 0's
+    instance and 1.035–1.053× on three others."""
     if not vary or not prompts:
         return prompts, seed
     shift = (round_index * requests) % len(prompts)

@@ -43,7 +43,7 @@ rounds, one profiled run per adapt row and batch size times the phases of our de
 engine and a clock that runs only during its own steps (adapt/bench/interleave.py). This
 machine's speed drifts by 10-20 % between runs a minute apart; in turns every row meets the
 same drift, and the report's per-round ratios over `adapt-ar` (`ratios.paired`) resolve a few
-percent (stop 36: the adaptive policy at batch 8 measured 0.903-0.952x over five rounds
+percent (the adaptive policy at batch 8 measured 0.903-0.952x over five rounds
 interleaved, where runs one after another had spread 0.75-1.01x).
 `--refill`: instead of static groups, keep `batch` requests in flight and replace each finished
 one by the next prompt (closed-loop clients, as a server sees them; our rows only). In a static

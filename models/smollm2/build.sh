@@ -5,16 +5,16 @@
 #      keeping the hidden states of layers 7, 14, 22, 29 (workers/training/harvest.py; ~20 min)
 #   3. train the drafter on those features: 2 layers, block 16, draft vocabulary 8,192
 #      (workers/training/feature_drafter.py via adapt train-drafter --features)
-#   3b. (stop 17) harvest 2 x 2,048 more answers (seeds 1 and 2: other prompts) and continue
+#   3b. harvest 2 x 2,048 more answers (seeds 1 and 2: other prompts) and continue
 #      training from step 3's drafter on them for 4,000 steps (--init; ~45 min)
-#   3c. (stop 34) harvest 2 x 2,048 more answers with the target's top-8 soft labels (seeds 3 and 4) and
+#   3c. harvest 2 x 2,048 more answers with the target's top-8 soft labels (seeds 3 and 4) and
 #      continue from step 3b's drafter for 2,400 steps with --soft-weight 0.5 (~28 + 40 min)
 #   4. evaluate tau on 48 held-out chat prompts through the engine (workers/training/chat_eval.py; s = 1,
 #      T = 0 and 1)
 #   5. collect traces, fit and benchmark the policy (adapt bench policies), ship policy.json
 #   6. fit the suffix-draft acceptance by match length on training-split chat / code / edit prompts
 #      (adapt/suffix_fit.py; static suffix drafting through the engine) into policy.json's settings;
-#      (stop 45) steps_grid [1]: a second denoising step wins nothing with this drafter (adapt policy set)
+#      steps_grid [1]: a second denoising step wins nothing with this drafter (adapt policy set)
 #   7. write MANIFEST.json (hashes, commands)
 # RESUME=1 continues an interrupted harvest (finished shards are kept) and training (checkpoint).
 set -euo pipefail
@@ -48,7 +48,7 @@ $PY -m workers.training.chat_prompts --split heldout --count 32 --seed 0 --out m
 $PY -m adapt.cli bench policies --pair smollm2 --quick --rounds 3 --out results/policies/smollm2 --seed 0
 cp results/policies/smollm2/policy.json models/smollm2/policy.json
 $PY -m adapt.suffix_fit --pair smollm2 --policy-file models/smollm2/policy.json --count 24 --max-tokens 96 --threads 2
-# (stop 45) one denoising step: the shipped drafter wins nothing from a second (live, mixed workload)
+# one denoising step: the shipped drafter wins nothing from a second (live, mixed workload)
 $PY -m adapt.cli policy set models/smollm2/policy.json --settings '{"steps_grid": [1]}'
 rm -rf models/smollm2/drafter/checkpoint
 $PY -m workers.training.manifest --root models/smollm2 --build models/smollm2/build.sh
