@@ -95,7 +95,7 @@ class EngineConfig:
     (`DrafterContext.subset_kv`) instead of the eager pass: ~0.7–1.9 ms faster a pass on SmolLM2,
     but **0 (eager) by default**: with cheaper passes the adaptive policy drafted at 8 requests,
     where drafting loses on a CPU, and measured 0.94–0.99x `ar` there against ~1.0x
-    (docs/benchmarks.md, stop 58); suffix:
+    (docs/benchmarks.md); suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
     (knobs source 'suffix', or a decision maker's `SUFFIX`);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
