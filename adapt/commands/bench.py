@@ -1,4 +1,4 @@
-"""`adapt bench {speed,policies,kernels}`: benchmarks, each in a module of `adapt.bench`.
+"""`adapt bench {speed,policies,kernels,report}`: benchmarks, each in a module of `adapt.bench`.
 
 Each benchmark module defines `add_parser(subparsers)` (which sets `run`) and writes JSON plus a plot.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from adapt.commands import optional_module
 
-BENCHMARKS = ("speed", "policies", "kernels")
+BENCHMARKS = ("speed", "policies", "kernels", "report")
 
 
 def add_parser(subparsers) -> None:

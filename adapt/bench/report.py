@@ -1,0 +1,253 @@
+"""`adapt bench report`: rerun the benchmarks behind the README's results table, rewrite their results
+files, and rewrite that table (in README.md and docs/benchmarks.md) from those files.
+
+    adapt bench report                  # ~15-20 min on 2 cores (SmolLM2; + ~5 min once to build packages)
+    adapt bench report --render-only    # only rewrite the tables from the current results files
+    adapt bench report --quick --pair demo --results /tmp/r --readme /tmp/README.md --docs /tmp/b.md
+
+A *headline benchmark* is one entry of `HEADLINES`: an `adapt bench speed` or `adapt bench policies`
+run with fixed arguments, whose files go to ``RESULTS/<benchmark>/<pair>/``. The report runs each one
+in this process through the same parser and runner as the command line, then writes, next to the
+benchmark's own files, ``run.json`` (the command, the commit, the date, the machine: CPU model, its
+vector flags, cores) and a ``README.md`` that says the same in prose.
+
+The table lives between ``<!-- results:start -->`` and ``<!-- results:end -->`` (`START`, `END`) in
+each document; `render_table` builds it from the results files alone, so the README can never say
+more than the files do (tests/test_report.py checks that README.md equals what `--render-only`
+renders).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START = "<!-- results:start -->"
+END = "<!-- results:end -->"
+# the CPU flags that decide which matmul paths run (bf16 natively, AMX tiles) on a CPU
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One benchmark behind the README's table: ``adapt bench <benchmark> <args> --out <folder>``."""
+
+    benchmark: str  # "speed" | "policies"
+    args: tuple[str, ...]  # without --pair and --out (the report adds them)
+    quick_args: tuple[str, ...]  # used instead of `args` by --quick (a smoke run: minutes on the demo pair)
+
+
+HEADLINES = (
+    Headline("speed",
+             ("--prompts", "models/smollm2/heldout_prompts.jsonl", "--batch-sizes", "1,8", "--num-prompts", "8", "--rows", "adapt-ar,adapt-policy",
+              "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
+             ("--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--rows", "adapt-ar,adapt-policy",
+              "--threads", "2", "--rounds", "1", "--interleave", "--compile", "off", "--no-profile")),
+    Headline("policies",
+             ("--quick", "--workload", "mixed", "--live-loads", "1,8", "--rounds", "3", "--interleave", "--instances",
+              "--seed", "0"),
+             ("--quick", "--live-loads", "1", "--replay-loads", "1", "--requests", "8", "--max-tokens", "16",
+              "--rounds", "1", "--seed", "0")),
+)
+
+
+def folder(results: Path, benchmark: str, pair: str) -> Path:
+    """Where one benchmark's files for one pair live: ``results/<benchmark>/<pair>/``."""
+    return results / benchmark / pair
+
+
+def machine() -> dict:
+    """This machine as a results file names it: CPU model, the `CPU_FLAGS` it has, cores."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count() or 1}
+
+
+def commit() -> str:
+    """The checked-out commit (short hash), ``+modified`` when tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def folder_readme(meta: dict, benchmark: str, pair: str) -> str:
+    """The short README.md of one results folder, from its run.json."""
+    m = meta["machine"]
+    flags = ", ".join(m["flags"]) or "none of " + ", ".join(CPU_FLAGS)
+    lines = [f"# `adapt bench {benchmark}`, {pair} pair", "",
+             "The latest run of this benchmark on this pair; `adapt bench report` rewrites this folder.", "",
+             f"- command: `{meta['command']}`",
+             f"- commit: `{meta['commit']}`",
+             f"- date: {meta['date']}",
+             f"- machine: {m['cpu']}, {m['cores']} cores, flags {flags}"]
+    if meta.get("note"):
+        lines.append(f"- note: {meta['note']}")
+    if meta.get("duration_s"):
+        lines.append(f"- duration: {meta['duration_s'] / 60:.1f} min")
+    return "\n".join(lines) + "\n"
+
+
+def write_meta(out: Path, meta: dict, benchmark: str, pair: str) -> None:
+    (out / "run.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(folder_readme(meta, benchmark, pair), encoding="utf-8")
+
+
+def run_headline(h: Headline, pair: str, results: Path, quick: bool) -> dict:
+    """Run one headline benchmark in this process and write its run.json and README.md; returns the meta."""
+    from adapt.cli import build_parser
+
+    out = folder(results, h.benchmark, pair)
+    argv = ["bench", h.benchmark, "--pair", pair, *(h.quick_args if quick else h.args), "--out", str(out)]
+    args = build_parser().parse_args(argv)
+    began = time.perf_counter()
+    code = int(args.run(args) or 0)
+    if code:
+        raise SystemExit(f"adapt bench report: `adapt {shlex.join(argv)}` exited with {code}")
+    shown = [a if a != str(out) else _shown_path(out) for a in argv]
+    meta = {"command": "adapt " + shlex.join(shown), "commit": commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+            "duration_s": round(time.perf_counter() - began, 1)}
+    write_meta(out, meta, h.benchmark, pair)
+    return meta
+
+
+def _shown_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.3f}×" if abs(x - round(x, 2)) > 1e-9 else f"{x:.2f}×"
+
+
+def _speed_rows(out: Path) -> list[tuple[str, str, str]]:
+    """(what, number, against) per batch size of a speed run: the adaptive policy over autoregressive decoding."""
+    report = json.loads((out / "speed.json").read_text(encoding="utf-8"))
+    cfg = report["config"]
+    by = {(r["row"], r["batch"]): r for r in report["results"]}
+    paired = report.get("ratios", {}).get("paired", {}).get("adapt-policy/adapt-ar", {})
+    plain = report.get("ratios", {}).get("adapt-policy/adapt-ar", {})
+    prompts = Path(str(cfg.get("prompts", "prompts"))).name if "file" in str(cfg.get("prompts")) else cfg.get("prompts")
+    steps = {"aot": "compiled packages", "off": "eager steps"}.get(cfg.get("compile"), f"compile {cfg.get('compile')}")
+    rows = []
+    for b in cfg["batch_sizes"]:
+        ours, ar = by.get(("adapt-policy", b)), by.get(("adapt-ar", b))
+        if ours is None or ar is None:
+            continue
+        p = paired.get(str(b))
+        if p:
+            number = f"**{_ratio(p['median'])}** (rounds {', '.join(f'{v:.3f}' for v in p['rounds'])}); " \
+                     f"{ours['tokens_per_s']:.0f} against {ar['tokens_per_s']:.0f} tok/s, τ {ours['tau']:.2f}"
+        else:
+            number = f"**{_ratio(plain.get(str(b), ours['tokens_per_s'] / ar['tokens_per_s']))}**; " \
+                     f"{ours['tokens_per_s']:.0f} against {ar['tokens_per_s']:.0f} tok/s, τ {ours['tau']:.2f}"
+        what = (f"speed, adaptive policy, batch {b}: {cfg['num_prompts']} prompts ({prompts}) × "
+                f"{cfg['max_tokens']} tokens, greedy, {steps}")
+        rows.append((what, number, "autoregressive decoding on the same engine (`adapt-ar`)"
+                     + (", interleaved step by step" if cfg.get("interleave") else "")))
+    return rows
+
+
+def _policies_rows(out: Path) -> list[tuple[str, str, str]]:
+    """(what, number, against) per live load of a policies run: adaptive goodput over the best static policy."""
+    rows = json.loads((out / "policies.json").read_text(encoding="utf-8"))
+    table = []
+    for r in sorted(rows, key=lambda r: (str(r.get("workload")), r["concurrency"])):
+        if r["policy"] != "adaptive" or r["mode"] != "live" or "best_static" not in r:
+            continue
+        what = f"goodput, adaptive policy, live, {r.get('workload', 'default')} workload, {r['concurrency']} " \
+               f"request{'s' if r['concurrency'] != 1 else ''} in flight"
+        number = (f"**{_ratio(r['gain_vs_best_static'])}** ({r['goodput_tok_s']:.1f} against "
+                  f"{r['best_static_goodput_tok_s']:.1f} tok/s); SLA attainment {r['sla_attainment']:.2f} against "
+                  f"{r['best_static_sla']:.2f}")
+        table.append((what, number, f"the best static policy at that load (`{r['best_static']}`)"))
+    return table
+
+
+RENDERERS = {"speed": _speed_rows, "policies": _policies_rows}
+
+
+def render_table(results: Path, pair: str = "smollm2", base: str = "") -> str:
+    """The results table (Markdown, between the markers) from the files under `results` for `pair`;
+    links to the results folders start with `base` (``"../"`` from docs/)."""
+    lines = ["| what | number | against | results |", "|---|---|---|---|"]
+    notes = []
+    for h in HEADLINES:
+        out = folder(results, h.benchmark, pair)
+        if not (out / "run.json").is_file():
+            continue
+        meta = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        rel = f"results/{h.benchmark}/{pair}/"
+        for what, number, against in RENDERERS[h.benchmark](out):
+            lines.append(f"| {what} | {number} | {against} | [`{rel}`]({base}{rel}) |")
+        m = meta["machine"]
+        notes.append(f"- [`{rel}`]({base}{rel}): command `{meta['command']}`; commit `{meta['commit']}`, {meta['date']}; "
+                     f"machine {m['cpu']}, {m['cores']} cores, flags {', '.join(m['flags']) or 'none recorded'}"
+                     + (f" ({meta['note']})" if meta.get("note") else ""))
+    return "\n".join([START, *lines, "", *notes, END])
+
+
+def replace_table(text: str, table: str, name: str) -> str:
+    """`text` with the part between the markers (included) replaced by `table`."""
+    i, j = text.find(START), text.find(END)
+    if i < 0 or j < i:
+        raise SystemExit(f"adapt bench report: {name} has no `{START}` … `{END}` markers")
+    return text[:i] + table + text[j + len(END):]
+
+
+def rewrite_docs(results: Path, pair: str, docs: list[tuple[Path, str]]) -> None:
+    """Rewrite the table of each (document, link base) from the files under `results`."""
+    for path, base in docs:
+        table = render_table(results, pair, base)
+        path.write_text(replace_table(path.read_text(encoding="utf-8"), table, str(path)), encoding="utf-8")
+        print(f"rewrote the results table in {path}")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("report", help="rerun the README's headline benchmarks and rewrite its results table",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("smollm2", "demo"), help="model pair (default smollm2)")
+    p.add_argument("--render-only", action="store_true",
+                   help="only rewrite the tables from the current results files (no benchmarking)")
+    p.add_argument("--quick", action="store_true", help="a smoke run of every headline benchmark (numbers are rough)")
+    p.add_argument("--only", default="", help="comma-separated benchmarks to rerun (default: all of speed,policies)")
+    p.add_argument("--results", type=Path, default=REPO_ROOT / "results", help="results root (default results/)")
+    p.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README whose table is rewritten")
+    p.add_argument("--docs", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md",
+                   help="benchmarks page whose table is rewritten")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if not args.render_only:
+        os.chdir(REPO_ROOT)  # the headline arguments name files relative to the repository
+        only = {s for s in args.only.split(",") if s}
+        unknown = only - {h.benchmark for h in HEADLINES}
+        if unknown:
+            raise SystemExit(f"adapt bench report: --only: unknown benchmark(s) {sorted(unknown)}")
+        for h in HEADLINES:
+            if not only or h.benchmark in only:
+                meta = run_headline(h, args.pair, args.results, args.quick)
+                print(f"{h.benchmark}: {meta['duration_s'] / 60:.1f} min -> {folder(args.results, h.benchmark, args.pair)}")
+    rewrite_docs(args.results, args.pair, [(args.readme, ""), (args.docs, "../")])
+    return 0

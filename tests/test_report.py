@@ -1,0 +1,74 @@
+"""`adapt bench report`: the README's results table and docs/benchmarks.md's are exactly what
+`--render-only` renders from the files under results/, so a number can never drift from its file.
+
+Running the benchmarks themselves is `adapt bench speed` / `adapt bench policies`' business (their
+own tests); here the rendering, the markers and the metadata each results folder must carry.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from adapt.bench import report
+from adapt.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _between(text: str) -> str:
+    i, j = text.index(report.START), text.index(report.END)
+    return text[i:j + len(report.END)]
+
+
+@pytest.mark.parametrize("doc, base", [("README.md", ""), ("docs/benchmarks.md", "../")])
+def test_table_equals_the_render_of_results(doc, base):
+    rendered = report.render_table(ROOT / "results", base=base)
+    assert _between((ROOT / doc).read_text(encoding="utf-8")) == rendered, (
+        f"{doc}'s results table differs from the results files: run `adapt bench report --render-only`")
+
+
+def test_every_headline_has_its_files_and_rows():
+    rendered = report.render_table(ROOT / "results")
+    for h in report.HEADLINES:
+        out = report.folder(ROOT / "results", h.benchmark, "smollm2")
+        meta = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        assert meta["command"].startswith(f"adapt bench {h.benchmark} ")
+        assert meta["commit"] and meta["date"] and meta["machine"]["cores"] >= 1
+        assert (out / "README.md").read_text(encoding="utf-8") == report.folder_readme(meta, h.benchmark, "smollm2")
+        rows = report.RENDERERS[h.benchmark](out)
+        assert rows, f"{out}: no rows to report"
+        for what, number, _ in rows:
+            assert f"| {what} | {number} |" in rendered
+
+
+def test_render_only_rewrites_both_tables(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "results" / "speed" / "smollm2", results / "speed" / "smollm2")
+    speed = json.loads((results / "speed" / "smollm2" / "speed.json").read_text(encoding="utf-8"))
+    for r in speed["results"]:  # a changed result must show in the rewritten tables
+        if r["row"] == "adapt-policy" and r["batch"] == 1:
+            r["tokens_per_s"] = 123.4
+    (results / "speed" / "smollm2" / "speed.json").write_text(json.dumps(speed), encoding="utf-8")
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    for path in (readme, docs):
+        path.write_text(f"before\n{report.START}\nstale\n{report.END}\nafter\n", encoding="utf-8")
+    assert main(["bench", "report", "--render-only", "--results", str(results), "--readme", str(readme),
+                 "--docs", str(docs)]) == 0
+    for path in (readme, docs):
+        text = path.read_text(encoding="utf-8")
+        assert text.startswith("before\n") and text.endswith("\nafter\n") and "stale" not in text
+        assert "123 against" in text and "results/policies/" not in text  # only the files that are there
+
+
+def test_a_document_without_markers_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="markers"):
+        report.replace_table("no table here\n", "x", "doc.md")
+
+
+def test_machine_names_cpu_flags_and_cores():
+    m = report.machine()
+    assert m["cpu"] and m["cores"] >= 1 and set(m["flags"]) <= set(report.CPU_FLAGS)
