@@ -17,6 +17,7 @@ COMMANDS = {
     "policy": "policy",
     "bench": "bench",
     "convert-drafter": "convert_drafter",
+    "info": "info",
 }
 
 

@@ -266,11 +266,13 @@ class AdaptRunner:
                 self.engines[key] = (self.engine, self.name)
         self.decisions = StaticDecisions()  # the engine's default decision maker
         if self.policy:
-            from adapt.controller import build_policy, profile_engine
+            from adapt.controller import build_policy
+            from adapt.profile_cache import engine_profile
 
             shipped = None if self.drafter is None else Path(self.drafter).parent / "policy.json"
             policy_file = shipped if shipped is not None and shipped.is_file() else None
-            self.decisions = build_policy(self.policy, policy_file, cost=profile_engine(self.engine), **self.settings)
+            cost, _ = engine_profile(self.engine)  # this machine's stored profile, as generate and serve use
+            self.decisions = build_policy(self.policy, policy_file, cost=cost, **self.settings)
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int, profile: bool = False,
                  refill: bool = False, length_spread: float = 0.0) -> Run:

@@ -38,18 +38,19 @@ def add_parser(subparsers) -> None:
                         "adapt serve runs); 'static' = the knobs below; 'auto' (default) = adaptive when the "
                         "pair ships a policy file and no knob below is given, else static")
     p.add_argument("--steps", type=int, default=None,
-                   help="diffusion (denoising) steps per drafted block, s >= 1 (static; default 1)")
+                   help="diffusion (denoising) steps per drafted block, s >= 1 (static; default 1); given, it is "
+                        "pinned: the adaptive policy keeps it too (workers/pins.py)")
     p.add_argument("--draft-len", type=int, default=None,
                    help="drafted tokens verified per step, k (static; default: the drafter's block size; "
-                        "0 = autoregressive)")
+                        "0 = autoregressive); given, it is pinned: the adaptive policy keeps it too")
     p.add_argument("--quality", default=None,
                    help="'lossless' (default) or 'tvd=E' (lenient, <= E TVD per token); the adaptive policy "
                         "keeps within it too")
     p.add_argument("--commit-order", default="confidence", choices=["confidence", "left-to-right"],
                    help="which masked positions each denoising step commits")
-    p.add_argument("--draft-source", default=None, choices=["diffusion", "suffix"],
-                   help="static: where drafts come from: the diffusion drafter (default) or the suffix drafter "
-                        "(text copied from the prompt and output; no drafter is loaded)")
+    p.add_argument("--draft-source", default=None, choices=["diffusion", "suffix", "none"],
+                   help="where drafts come from: the diffusion drafter (default), the suffix drafter (text copied "
+                        "from the prompt and output; no drafter is loaded) or none; given, it is pinned")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -57,7 +58,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = the fastest on the device (bfloat16 on CPUs)")
+                   help="auto = on a CPU, the faster of bfloat16 and float32 for this machine's decode steps, "
+                        "measured once and kept in the cache directory (adapt/dtype_choice.py); on a GPU bfloat16 "
+                        "(float16 where it has no bfloat16)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="time this machine again: the cost profile the adaptive policy starts from and the "
+                        "--dtype auto choice (both are kept in the cache directory, adapt/profile_cache.py)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
@@ -74,7 +80,7 @@ def _model_dirs(args) -> tuple[Path, Path | None, Path | None]:
     from workers.pairs import resolve_models
 
     target, drafter, policy_file = resolve_models(args.pair, args.target, args.drafter, args.cache_dir)
-    if args.draft_len == 0 or args.draft_source == "suffix":  # no diffusion drafts: the drafter is not needed
+    if args.draft_len == 0 or args.draft_source in ("suffix", "none"):  # no diffusion drafts: no drafter needed
         drafter = None
     for name, path, flag in (("target", target, "--target"), ("drafter", drafter, "--drafter")):
         if path is not None and not (Path(path) / "config.json").is_file():
@@ -121,18 +127,34 @@ def _run(args) -> int:
         from workers.traces import FileTraceSink
 
         sink = FileTraceSink(args.trace)
-    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype=args.dtype, device=args.device, max_batch=1,
-                                 **compile_options(args.compile)), trace_sink=sink)
-    engine.warm_up()
+    def make_engine(dtype: str) -> Engine:
+        built = Engine(EngineConfig(target=target, drafter=drafter, dtype=dtype, device=args.device, max_batch=1,
+                                    **compile_options(args.compile)), trace_sink=sink)
+        built.warm_up()
+        return built
+
+    dtype_choice = None
+    if args.dtype == "auto" and _on_cpu(args.device):
+        from adapt.dtype_choice import choice_facts, choose_dtype
+
+        engine, dtype_choice = choose_dtype(make_engine, choice_facts(target, drafter, args.compile), args.cache_dir,
+                                            refresh=args.reprofile)
+    else:
+        engine = make_engine(args.dtype)
     source = args.draft_source or "diffusion"
     draft_len = (engine.width if source == "suffix" else engine.block) if args.draft_len is None else args.draft_len
+    given = {"steps": args.steps, "draft_len": args.draft_len, "source": args.draft_source}
     knobs = DecodeKnobs(steps=steps, draft_len=draft_len, quality=quality, commit_order=args.commit_order,
-                        source=source)
+                        source=source, pinned=frozenset(k for k, v in given.items() if v is not None))
+    profile_info = None
     if adaptive:
-        from adapt.controller import build_policy, profile_engine
+        from adapt.controller import build_policy
+        from adapt.profile_cache import engine_profile
 
-        # the policy decides s, k and the rule of every pass, within the request's quality target
-        engine.decisions = build_policy("adaptive", policy_file, cost=profile_engine(engine))
+        # the policy decides s, k and the rule of every pass, within the request's quality target,
+        # starting from this machine's stored cost profile (timed once per machine and model)
+        cost, profile_info = engine_profile(engine, args.cache_dir, refresh=args.reprofile)
+        engine.decisions = build_policy("adaptive", policy_file, cost=cost)
     tok = engine.tokenizer
     prompt, stops = args.prompt, ()
     if args.chat is not None:
@@ -164,7 +186,8 @@ def _run(args) -> int:
     stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
                  policy="adaptive" if adaptive else "static", quality=quality, decode_steps=_step_kind(engine),
                  **({} if adaptive else {"steps": steps, "draft_len": draft_len, "commit_order": args.commit_order,
-                                         "draft_source": source}))
+                                         "draft_source": source}),
+                 **_machine_stats(args.dtype, dtype_choice, profile_info))
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "stats": stats}))
     else:
@@ -180,3 +203,24 @@ def _step_kind(engine) -> str:
     if engine.aot:
         return "compiled packages" if "drafter" in engine.aot_info else "compiled package"
     return "torch.compile" if engine.compiled else "eager"
+
+
+def _on_cpu(device: str) -> bool:
+    import torch
+
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device).type == "cpu"
+
+
+def _machine_stats(asked: str, dtype_choice, profile_info) -> dict:
+    """What `--json` stats say about the dtype and the cost profile: chosen how, and why."""
+    out = {}
+    if dtype_choice is not None:
+        out["dtype_choice"] = {"dtype": dtype_choice["dtype"], "reason": dtype_choice["reason"],
+                               "cached": dtype_choice["cached"]}
+    else:
+        out["dtype_choice"] = {"reason": "given (--dtype)" if asked != "auto" else
+                               "auto on a GPU: bfloat16, float16 where the GPU has no bfloat16"}
+    if profile_info is not None:
+        out["cost_profile"] = {"cached": profile_info["cached"], "built_s": profile_info["built_s"],
+                               "path": profile_info["path"]}
+    return out

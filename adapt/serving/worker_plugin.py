@@ -84,6 +84,12 @@ def _digest(doc: Any) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _env_flag(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _resolve_store(store: Any) -> StateStore:
     if store is None or isinstance(store, str):
         return open_store(store)
@@ -123,15 +129,18 @@ class ServingPlugin:
     def decisions(self, engine: DecoderEngine | None = None):
         """The decision maker to start with: the store's current policy, else the named one."""
         self.block_size = int(getattr(engine, "block", 0) or 0) or None
-        # no drafter, nothing for a policy to choose (and no cost model to profile: ~15 s saved at start)
+        # no drafter, nothing for a policy to choose (and no cost model to profile or read)
         if (self.profile_cost and engine is not None and hasattr(engine, "tcache")
                 and getattr(engine, "drafter", None) is not None):
             try:
-                from adapt.controller import profile_engine
+                from adapt.profile_cache import engine_profile
 
-                self.cost = profile_engine(engine)
-                log.info("worker %s cost model profiled: verify(1) %.2f ms, overhead %.2f ms", self.worker_id,
-                         self.cost.verify.at(1.0), self.cost.overhead_ms)
+                # this machine's stored profile for this engine (adapt/profile_cache.py), timed
+                # once per machine and model; ADAPT_REPROFILE=1 times it again
+                self.cost, info = engine_profile(engine, refresh=_env_flag("ADAPT_REPROFILE"))
+                log.info("worker %s cost model %s: verify(1) %.2f ms, overhead %.2f ms (%s)", self.worker_id,
+                         "read back" if info["cached"] else f"profiled in {info['built_s']} s",
+                         self.cost.verify.at(1.0), self.cost.overhead_ms, info["path"])
             except Exception as exc:  # noqa: BLE001 - profiling is an optimisation; never block start-up
                 log.warning("cost profiling failed, using the policy file's cost model: %s", exc)
                 self.cost = None

@@ -1,0 +1,117 @@
+"""`--dtype auto` on a CPU: the dtype whose decode steps run fastest on this machine, by measurement.
+
+Which dtype is faster depends on the CPU, not only on the model: bf16 reads half the bytes, so a
+one-token step (memory-bound) is faster in bf16 on most CPUs, but without native bf16 dot
+products (AVX2 only) every extra token of a verify costs bf16 far more than fp32 (issue 62 on a
+2-core AVX2 EPYC: a 16-token forward cost 7.8x a one-token one in bf16, 2.5x in fp32); with
+avx512_bf16 or AMX bf16 wins both. So the choice is measured: for each candidate dtype an engine
+is loaded and the steps the policy takes at batch 1 are timed (`step_score`): a one-token step,
+and a speculative step: a verify of `PROFILE_SPAN` + 1 tokens with its drafter pass. The dtype with
+the smaller sum wins.
+
+The choice is stored beside the cost profiles (`adapt.profile_cache`, ``profiles/dtype-<hash>.json``)
+under the profile key without the dtype (machine, models, step backend choice, engine shape), so
+it is measured once per machine and model; ``refresh`` measures again.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any, Callable
+
+CANDIDATES = ("bfloat16", "float32")
+
+
+def step_score(engine) -> dict[str, float]:
+    """ms of the steps a policy takes at batch 1 on ``engine``: ``one`` (a one-token target
+    forward), ``verify`` (a forward over `PROFILE_SPAN` + 1 tokens), ``draft`` (one drafter pass
+    over a block row; 0 without a drafter) and ``score`` = one + verify + draft. Timed with
+    `adapt.controller.profile_engine`'s own calls (no per-step overhead steps)."""
+    from adapt.controller import PROFILE_SPAN, profile_engine
+
+    wide = min(PROFILE_SPAN, max(engine.block, 1)) + 1
+    cost = profile_engine(engine, token_grid=(1, wide), row_grid=(1, 2), repeats=3, overhead_steps=0)
+    one, verify = float(cost.verify.at(1.0)), float(cost.verify.at(float(wide)))
+    draft = float(cost.draft_pass.at(1.0)) if engine.drafter is not None else 0.0
+    return {"one": round(one, 3), "verify": round(verify, 3), "verify_tokens": wide, "draft": round(draft, 3),
+            "score": round(one + verify + draft, 3)}
+
+
+def _reason(best: str, scores: dict[str, dict[str, float]]) -> str:
+    """One sentence: why ``best`` won, with each candidate's timings."""
+    parts = [f"{d}: one-token step {s['one']:.1f} ms, {s['verify_tokens']}-token verify {s['verify']:.1f} ms"
+             + (f" + drafter pass {s['draft']:.1f} ms" if s["draft"] else "") for d, s in scores.items()]
+    return f"measured on this machine, {best} is faster ({'; '.join(parts)})"
+
+
+def choice_facts(target, drafter, compile_choice: str = "auto", max_batch: int = 1, max_len: int | None = None) -> dict:
+    """The key of a stored choice for a command line's models and options (the profile key
+    without the dtype): machine, both models' digests, the --compile choice and the compiled
+    packages in the cache directory (which it may load), engine shape."""
+    from adapt.profile_cache import machine_facts, model_digest
+    from workers.aot import package_dir
+    from workers.engine import EngineConfig
+
+    folder = package_dir()
+    packages = sorted(p.name for p in folder.glob("*.pt2")) if compile_choice in ("auto", "aot") and folder.is_dir() else []
+    return {"machine": machine_facts("cpu"), "target": model_digest(target), "drafter": model_digest(drafter),
+            "compile": compile_choice, "packages": packages, "max_batch": int(max_batch),
+            "max_len": int(max_len or EngineConfig.max_len)}
+
+
+def _choice_path(facts: dict, candidates: tuple[str, ...], cache_dir) -> tuple[dict, "os.PathLike"]:
+    from adapt.profile_cache import key_digest, profiles_dir
+
+    facts = dict(facts, kind="dtype", candidates=list(candidates))
+    return facts, profiles_dir(cache_dir) / f"dtype-{key_digest(facts)}.json"
+
+
+def stored_choice(facts: dict, cache_dir: str | os.PathLike | None = None,
+                  candidates: tuple[str, ...] = CANDIDATES) -> dict | None:
+    """The stored choice for ``facts`` ({"dtype", "reason", "ms", ...}), None when none is stored."""
+    from adapt.profile_cache import read_record
+
+    facts, path = _choice_path(facts, candidates, cache_dir)
+    record = read_record(path, facts)
+    choice = record.get("choice") if record else None
+    return dict(choice, path=str(path)) if isinstance(choice, dict) and choice.get("dtype") in candidates else None
+
+
+def choose_dtype(make_engine: Callable[[str], Any], facts: dict, cache_dir: str | os.PathLike | None = None,
+                 refresh: bool = False, candidates: tuple[str, ...] = CANDIDATES,
+                 say: Callable[[str], None] | None = None):
+    """(engine in the chosen dtype, choice) where choice = {"dtype", "reason", "cached", "ms"}.
+
+    ``make_engine(dtype)`` builds a ready engine; ``facts``: the profile key without the dtype
+    (`adapt.profile_cache.engine_facts` minus "dtype", or the same parts from a command line).
+    With a stored choice for ``facts`` only the chosen engine is built and nothing is timed."""
+    from adapt.profile_cache import progress, read_record, write_record
+
+    say = progress if say is None else say
+    facts, path = _choice_path(facts, candidates, cache_dir)
+    record = None if refresh else read_record(path, facts)
+    choice = record.get("choice") if record else None
+    if isinstance(choice, dict) and choice.get("dtype") in candidates:
+        return make_engine(choice["dtype"]), dict(choice, cached=True, path=str(path))
+    say(f"timing decode steps in {', '.join(candidates)} to pick the faster dtype on this machine "
+        f"(once per machine and model, kept in {path.parent}) ...")
+    t0 = time.perf_counter()
+    best, best_engine, scores = None, None, {}
+    for dtype in candidates:
+        engine = make_engine(dtype)
+        scores[dtype] = step_score(engine)
+        if best is None or scores[dtype]["score"] < scores[best]["score"]:
+            best, best_engine = dtype, engine
+        else:
+            del engine
+        gc.collect()
+    choice = {"dtype": best, "reason": _reason(best, scores), "ms": scores,
+              "measured_s": round(time.perf_counter() - t0, 2)}
+    try:
+        write_record(path, facts, choice=choice, built_s=choice["measured_s"])
+    except OSError:
+        pass
+    say(f"dtype {best}: {choice['reason']}")
+    return best_engine, dict(choice, cached=False, path=str(path))
