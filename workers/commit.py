@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import time
 
-from kernels.rules import Rule
 from workers.decisions import SUFFIX, next_recent_accept
 from workers.step_batch import RequestState, source_name
 from workers.traces import TRACE_VERSION
 
 
 def advance(req: RequestState, steps: int, draft_len: int, rule: int, accepted: int, tvd: float,
-            accept_per_position: list[float] | None) -> None:
-    """Count one target pass of `req` that verified `draft_len` drafts and accepted `accepted`."""
+            accept_per_position: list[float] | None, clamp: str | None = None) -> None:
+    """Count one decode step of `req` that drafted with `steps` (`SUFFIX`: a suffix draft),
+    verified `draft_len` drafts with `rule` and accepted `accepted`; `clamp`: why a pinned knob
+    was cut this step (workers/pins.py), None if none was."""
     req.passes += 1
     req.ema_before = req.recent_accept
     req.accepted += accepted
@@ -30,6 +31,7 @@ def advance(req: RequestState, steps: int, draft_len: int, rule: int, accepted: 
     if accept_per_position is not None:  # else the counters did not change
         req.apos = accept_per_position
     req.last_knobs = (steps, draft_len, rule)
+    req.log.record(steps, draft_len, rule, accepted, clamp)
     req.length += accepted + 1
 
 
@@ -52,16 +54,17 @@ def emit(req: RequestState, new: list[int], now: float, max_len: int) -> str | N
 
 
 def request_stats(req: RequestState) -> dict:
+    """What `req` reports with each output (docs/serving.md, "Per-request decode pins", defines
+    the fields): its totals, what most of its decode steps used (`*_used`), its latest decode
+    step (`last_step`) and the per-step counts with its pins (`decode_stats`)."""
     gen = len(req.output)
     wall = max(req.t_last - req.t_start, 1e-9)
     return {
         "tau": gen / max(req.passes, 1), "target_passes": req.passes, "tokens": gen,
         "accepted": req.accepted, "verified": req.verified,
         "accept_per_position": req.apos, "tvd_spent": req.tvd,
-        "steps_used": max(req.last_knobs[0], 0), "draft_len_used": req.last_knobs[1],
-        "source_used": source_name(req.last_knobs[0], req.last_knobs[1]),
-        "rules_used": Rule(req.last_knobs[2]).name, "tokens_per_s": gen / wall,
-        "prompt_tokens": len(req.prompt),
+        **req.log.used(), "last_step": req.log.last_step(), "decode_stats": req.log.summary(),
+        "tokens_per_s": gen / wall, "prompt_tokens": len(req.prompt),
     }
 
 

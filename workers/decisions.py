@@ -169,7 +169,7 @@ class StaticDecisions:
     reads_draft_features = False
 
     def choose_steps(self, rows: RowState) -> torch.Tensor:
-        return torch.tensor([0 if kn.draft_len <= 0 else SUFFIX if kn.source == "suffix" else kn.steps
+        return torch.tensor([0 if kn.draft_len <= 0 or kn.source == "none" else SUFFIX if kn.source == "suffix" else kn.steps
                              for kn in rows.knobs], dtype=torch.int64)
 
     def draft_span(self, rows: RowState, steps: list[int]) -> int:

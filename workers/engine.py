@@ -45,8 +45,10 @@ from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
+from workers.decode_log import DecodeLog
 from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
 from workers.linear import WIDE_ROWS, prepare_for_inference
+from workers.pins import StepPins, clamp_to_block, pin_clamp, row_pins
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import probabilities
 from workers.step_batch import RequestState, StepBatch, StepPlan, StepResult, common_value, sampling_tensors
@@ -347,6 +349,7 @@ class Engine:
             raise EngineInputError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(knobs, DecodeKnobs):
             raise EngineInputError(f"knobs must be DecodeKnobs, got {type(knobs).__name__}")
+        knobs, clamped = clamp_to_block(knobs, self.block, self.width)
         self._check_knobs(knobs)
         if isinstance(prompt, str):
             if not prompt:
@@ -370,14 +373,17 @@ class Engine:
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             gen = torch.Generator(device=self.device).manual_seed(seed)
+        pins = row_pins(knobs, clamped)
         req = RequestState(request_id, ids, params, knobs, targets, tuple(dict.fromkeys(stops)), gen,
-                           t_arrive=self.clock())
+                           t_arrive=self.clock(), pins=pins, log=DecodeLog(pins.shown, clamped))
         if self.suffix is not None:
             req.suffix_index = self.suffix.new_index(ids)
         self.requests[request_id] = req
         self.waiting.append(req)
 
     def _check_knobs(self, knobs: DecodeKnobs) -> None:
+        if knobs.source == "none":
+            return
         if knobs.source == "suffix":
             if self.suffix is None:
                 raise EngineInputError("source = 'suffix' needs the engine's suffix drafter (EngineConfig.suffix)")
@@ -393,9 +399,13 @@ class Engine:
                 raise EngineInputError(f"steps = {knobs.steps} exceeds the drafter's block size {self.block}")
 
     def set_knobs(self, request_id: str, knobs: DecodeKnobs) -> None:
-        """Change a request's static knobs; they apply from the next step."""
+        """Change a request's static knobs (and pins); they apply from the next step."""
+        knobs, clamped = clamp_to_block(knobs, self.block, self.width)
         self._check_knobs(knobs)
-        self.requests[request_id].knobs = knobs
+        req = self.requests[request_id]
+        req.knobs, req.pins = knobs, row_pins(knobs, clamped)
+        req.log.pins = dict(req.pins.shown)
+        req.log.clamps["block"] += clamped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its cache slot. Returns its final output (finish_reason
@@ -488,8 +498,9 @@ class Engine:
         return admit_count(waiting, rows, free, mode=self.admission, ms_per_token=self.prefill_ms_per_token,
                            max_wait_ms=self.config.admission_max_wait_ms, packed=self.pack)
 
-    def _batch(self, rows: RowState, steps: torch.Tensor, steps_host: list[int]) -> StepBatch:
-        """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision maker chose."""
+    def _batch(self, rows: RowState, steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> StepBatch:
+        """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision maker
+        chose them and the rows' pins (None: no row pins anything) set them."""
         dev, run = self.device, self.running
         temp, top_k, top_p = sampling_tensors(run, dev)
         l2r = torch.tensor([r.knobs.commit_order == "left-to-right" for r in run])
@@ -500,22 +511,25 @@ class Engine:
             anchors=torch.tensor([r.output[-1] for r in run], device=dev), temperature=temp, top_k=top_k, top_p=top_p,
             steps=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
             conditional=conditional, exact_rule=exact_rules(rows.temperature, conditional),
-            lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(rows, steps_host))
+            lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(rows, steps, steps_host, pins))
 
-    def _span(self, rows: RowState, steps_host: list[int]) -> int:
+    def _span(self, rows: RowState, steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> int:
         """The block positions the drafter denoises this step: the decision maker's `draft_span`
         (the most drafted tokens any diffusion row may verify; optional, default the whole block),
-        in [1, K]; the whole block on a compiled engine (its drafter programs have the block's
-        shape) or when no row drafts by diffusion."""
+        widened to the draft lengths pinned rows verify, in [1, K]; the whole block on a compiled
+        engine (its drafter programs have the block's shape) or when no row drafts by diffusion."""
         K = self.block
         ask = getattr(self.decisions, "draft_span", None)
         if ask is None or self.compiled or not any(s > 0 for s in steps_host):
             return K
-        return max(1, min(K, int(ask(rows, steps_host))))
+        span = int(ask(rows, steps_host))
+        if pins is not None:
+            span = max(span, pins.span(steps))
+        return max(1, min(K, span))
 
-    def _plan(self, batch: StepBatch, feats: DraftFeatures) -> StepPlan:
-        """Draft lengths and rules per row: the decision maker's, capped by the draft each row has
-        and its remaining tokens, with the rules each row really verifies with
+    def _plan(self, batch: StepBatch, feats: DraftFeatures, pins: StepPins | None) -> StepPlan:
+        """Draft lengths and rules per row: the decision maker's, with the rows' pins applied
+        (`StepPins.apply_verify`), capped by the draft each row has and its remaining tokens, with the rules each row really verifies with
         (`kernels.rules.enforce_rules`: GREEDY at T = 0, exact rules for lossless rows and suffix
         drafts, MATCH where q are not conditionals). The draft lengths size the target forward,
         so the host reads them: computed on the host when the decision maker answers with host
@@ -524,13 +538,16 @@ class Engine:
         dec = self.decisions.choose_verify(rows, feats)
         on_host = all(t.device.type == "cpu" for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         at = torch.device("cpu") if on_host else self.device
+        k, rule, param, param2 = (t.to(at) for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
+        if pins is not None:
+            k, rule, param, param2 = pins.apply_verify(k, rule, param, param2, batch.exact_rule)
         steps = batch.steps.to(at)
         longest = torch.where(steps > 0, batch.span or K, 0)  # diffusion rows drafted `span` tokens
         if rows.suffix_len is not None:
             longest = torch.where(steps == SUFFIX, rows.suffix_len.to(at), longest)
-        k = torch.minimum(dec.draft_len.to(at).clamp(min=0), longest)
+        k = torch.minimum(k.clamp(min=0), longest)
         k = torch.minimum(k, rows.remaining.to(at) - 1)
-        rule, param, param2 = enforce_rules(dec.rule.to(at), dec.param.to(at), dec.param2.to(at), rows.temperature.to(at),
+        rule, param, param2 = enforce_rules(rule, param, param2, rows.temperature.to(at),
                                             batch.lossless.to(at), batch.conditional.to(at), steps == SUFFIX,
                                             batch.exact_rule.to(at))
         # one host read (`torch.stack` promotes to float32: counts, rule ids and float32 params exact)
@@ -549,6 +566,10 @@ class Engine:
         run, K = self.running, self.width
         rows = self._row_state()
         steps = self.decisions.choose_steps(rows).to(torch.int64).cpu().clamp(SUFFIX, self.block)  # host [B]
+        pins = StepPins.of([r.pins for r in run])  # the knobs requests pinned win (workers/pins.py)
+        if pins is not None:
+            steps, pins = pins.apply_steps(steps, rows.remaining)
+            steps = steps.clamp(SUFFIX, self.block)
         if rows.suffix_len is None:  # no suffix drafts this step
             steps = steps.clamp(min=0)
         else:  # a row without a suffix draft does not draft
@@ -556,7 +577,7 @@ class Engine:
         s_host = steps.tolist()
         if not any(s_host):  # no row drafts this step
             return self._decode_plain(rows, t0)
-        batch = self._batch(rows, steps, s_host)
+        batch = self._batch(rows, steps, s_host, pins)
 
         # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
         # over the first `span` positions of the block (the most any of them may verify)
@@ -566,7 +587,7 @@ class Engine:
         # (3) draft length and rule per row; lossless rows get exact rules only
         feats = DraftFeatures(batch.steps, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
                               batch.conditional)
-        batch = batch.planned(self._plan(batch, feats))
+        batch = batch.planned(self._plan(batch, feats, pins))
 
         # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
         kmax = batch.plan.max_k
@@ -648,11 +669,14 @@ class Engine:
         # positions in the target forward: each row's own (packed) or rows padded to the longest
         positions = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
         tracing = self.trace_sink is not None
+        left = batch.rows.remaining.tolist()
         outputs, done, records = [], [], []
         for i, req in enumerate(batch.requests):
             ai, tvd_i, new = result.accepted[i], result.tvd[i], result.tokens[i]
             kk, s_i, rule_i = plan.draft_len_host[i], batch.steps_host[i], plan.rule_host[i]
-            advance(req, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i])
+            clamp = pin_clamp(req.pins, s_i, kk, left[i]) if req.pins.any else None
+            advance(req, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i],
+                    clamp)
             if tracing:
                 records.append(trace_record(req, self.step_count, result.features[i], K, s_i, kk, rule_i,
                                             plan.param_host[i], plan.param2_host[i], ai, tvd_i, times, B, positions))

@@ -241,6 +241,8 @@ class DecoderWorker:
         try:
             prompt_ids = self._prompt_ids(request)
             knobs, targets = self.plugin.prepare(request) if self.plugin is not None else ({}, None)
+            decode = dict(request.get("decode") or {})  # the knobs the request pins (workers/pins.py)
+            knobs = {**knobs, **decode, "pinned": frozenset(decode)}
             knobs.setdefault("draft_len", self.engine.block)
             sampling = SamplingParams(**request.get("sampling", {}))
             if request.get("messages") is not None and not sampling.ignore_eos:  # stop at the end of the turn

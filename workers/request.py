@@ -2,7 +2,8 @@
 
 - `SamplingParams`: how tokens are drawn (temperature 0 = greedy) and when to stop.
 - `DecodeKnobs`: the request's static decoding knobs: diffusion steps `s`, draft length `k`,
-  quality (`lossless` or a per-token TVD budget `tvd=E`), commit order of the denoising steps.
+  quality (`lossless` or a per-token TVD budget `tvd=E`), commit order of the denoising steps,
+  draft source, and which of them the caller **pinned** (fixed over any policy: workers/pins.py).
 - `RequestOutput`: the tokens a request got in one engine step, plus its running stats.
 
 All validation errors are `ValueError` subclasses whose message names the offending field.
@@ -62,6 +63,8 @@ class SamplingParams:
 
 
 DRAFT_SOURCES = ("diffusion", "suffix")
+KNOB_SOURCES = (*DRAFT_SOURCES, "none")  # "none": the request drafts nothing (as draft_len 0)
+PIN_FIELDS = ("steps", "draft_len", "source", "commit_order")  # the knobs a request may pin
 
 
 @dataclass(frozen=True)
@@ -71,17 +74,31 @@ class DecodeKnobs:
     'lossless' (exact rules only) or 'tvd=E' (lenient, spends at most E total variation per token);
     commit_order: which masked positions each denoising step commits ('confidence' = most
     confident first, 'left-to-right'); source: where drafts come from, 'diffusion' (the drafter,
-    `steps` denoising passes) or 'suffix' (copied from earlier text, workers/suffix.py; `steps`
-    unused, `draft_len` caps the draft, verified with exact rules only)."""
+    `steps` denoising passes), 'suffix' (copied from earlier text, workers/suffix.py; `steps`
+    unused, `draft_len` caps the draft, verified with exact rules only) or 'none' (no drafts).
+    pinned: the names (of `PIN_FIELDS`) the caller fixed: the engine holds every step of the
+    request to them whatever its decision maker answers (workers/pins.py); the others are the
+    decision maker's. `DecodeKnobs.pin(...)` pins exactly the knobs it is given. The default
+    decision maker (`StaticDecisions`) uses every knob as if pinned."""
 
     steps: int = 1
     draft_len: int = 16
     quality: str = "lossless"
     commit_order: str = "confidence"
     source: str = "diffusion"
+    pinned: frozenset = frozenset()
+
+    @classmethod
+    def pin(cls, **knobs) -> "DecodeKnobs":
+        """Knobs with exactly the given ones pinned (``quality`` may be given too; it is always the
+        request's own and never a pin)."""
+        return cls(**knobs, pinned=frozenset(knobs) - {"quality"})
 
     def __post_init__(self):
-        _check(self.source in DRAFT_SOURCES, f"source must be one of {DRAFT_SOURCES}, got {self.source!r}")
+        pinned = frozenset(self.pinned)
+        _check(pinned <= set(PIN_FIELDS), f"pinned must name knobs of {PIN_FIELDS}, got {sorted(pinned)}")
+        object.__setattr__(self, "pinned", pinned)
+        _check(self.source in KNOB_SOURCES, f"source must be one of {KNOB_SOURCES}, got {self.source!r}")
         _check(isinstance(self.steps, int) and 0 <= self.steps <= 64, f"steps must be an integer in [0, 64], got {self.steps!r}")
         _check(isinstance(self.draft_len, int) and 0 <= self.draft_len <= 64,
                f"draft_len must be an integer in [0, 64], got {self.draft_len!r}")
@@ -110,8 +127,9 @@ class DecodeKnobs:
 class RequestOutput:
     """Tokens a request received in one engine step. `stats` holds tau (tokens per target pass),
     target_passes, tokens, accept_per_position (conditional acceptance of draft position j given
-    that positions < j were accepted), tvd_spent, steps_used / draft_len_used / rules_used (this
-    step's knobs) and, when finished, tokens_per_s."""
+    that positions < j were accepted), tvd_spent, steps_used / draft_len_used / source_used /
+    rules_used (what most of its decode steps so far used), last_step (this step's), decode_stats
+    (per-step counts, pins and clamps: workers/decode_log.py) and tokens_per_s."""
 
     request_id: str
     new_token_ids: list[int]

@@ -22,7 +22,9 @@ import torch
 
 from kernels.layout import RaggedLayout
 from kernels.rules import Rule
-from workers.decisions import RECENT_NONE, SUFFIX, RowState
+from workers.decisions import RECENT_NONE, RowState
+from workers.decode_log import DecodeLog, source_name  # noqa: F401  (source_name: re-exported)
+from workers.pins import NO_PINS, RowPins
 from workers.request import DecodeKnobs, SamplingParams
 
 
@@ -30,11 +32,6 @@ def common_value(values: list[int]) -> int | None:
     """The value shared by all of `values`, or None if they differ."""
     first = values[0]
     return first if all(v == first for v in values) else None
-
-
-def source_name(steps: int, draft_len: int) -> str:
-    """A row's draft source in a step: 'suffix', 'diffusion' or 'none' (nothing verified)."""
-    return "none" if draft_len <= 0 else "suffix" if steps == SUFFIX else "diffusion"
 
 
 @dataclass(eq=False)  # compared by identity
@@ -65,6 +62,8 @@ class RequestState:
     ema_before: float = RECENT_NONE  # recent_accept before the latest step (traces)
     suffix_index: object = None  # workers.suffix.TokenIndex over prompt + output
     suffix_draft: object = None  # this step's workers.suffix.SuffixDraft
+    pins: RowPins = NO_PINS      # the knobs the caller pinned, as the engine applies them (workers/pins.py)
+    log: DecodeLog = field(default_factory=DecodeLog)  # what each decode step did (`decode_stats`)
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class LiveRun:
                 if st["t_first"] is None:
                     st["t_first"], st["p_first"] = now, engine.prefill_seconds
                 else:  # a decode step (the first token comes from the prefill)
-                    src = out.stats.get("source_used")
+                    src = out.stats.get("last_step", {}).get("source")  # this step's source
                     if src in self.sources:
                         self.sources[src] += 1
                 st["t_last"] = now

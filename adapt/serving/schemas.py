@@ -3,8 +3,9 @@
 Supported: ``/v1/completions`` (``prompt`` as text or token ids) and ``/v1/chat/completions``
 (``messages``), ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (extension),
 ``seed``, ``stop``, ``stream`` (+ ``stream_options.include_usage``), ``n = 1``. Extensions:
-``sla`` (see `adapt.serving.headers`) and ``decode`` (the request's static knobs: ``steps``,
-``draft_len``, ``commit_order``). Unknown fields are rejected with an error naming them.
+``sla`` (see `adapt.serving.headers`) and ``decode`` (the knobs the request pins over the
+server's policy: ``steps``, ``draft_len``, ``source``, ``commit_order``; workers/pins.py).
+Unknown fields are rejected with an error naming them.
 
 OpenAI fields this server does not implement (`UNSUPPORTED`: tools, logit_bias, best_of,
 response_format, ...) are accepted only at the value that changes nothing (``null``, ``{}``,
@@ -50,17 +51,19 @@ def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
 
 
 class DecodeBody(BaseModel):
-    """Static decode knobs a request may pin (the policy decides the rest each step)."""
+    """Decode knobs a request pins: every decode step of the request keeps each one given,
+    whatever the server's policy; the policy decides the rest each step (workers/pins.py).
+    Values above the drafter's block are clamped to it (reported in ``decode_stats.pin_clamps``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: int | None = Field(None, ge=0, le=64, description="Diffusion steps per block (0 = autoregressive).")
-    draft_len: int | None = Field(None, ge=0, le=16, description="Draft tokens verified per step.")
+    steps: int | None = Field(None, ge=0, le=64, description="Diffusion steps per drafted block (0 = no drafts).")
+    draft_len: int | None = Field(None, ge=0, le=64, description="Drafted tokens verified per step (0 = no drafts).")
     commit_order: Literal["confidence", "left-to-right"] | None = Field(
         None, description="Order in which the drafter commits masked positions.")
-    source: Literal["diffusion", "suffix"] | None = Field(
-        None, description="Where drafts come from: the diffusion drafter or the suffix drafter (text copied "
-                          "from the prompt and output).")
+    source: Literal["diffusion", "suffix", "none"] | None = Field(
+        None, description="Where drafts come from: the diffusion drafter, the suffix drafter (text copied "
+                          "from the prompt and output), or none (no drafts).")
 
 
 class StreamOptions(BaseModel):

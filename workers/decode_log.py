@@ -1,0 +1,86 @@
+"""What each decode step of a request did, counted: the request's `decode_stats`.
+
+A **decode step** of a request is one target pass after its prefill (the prefill's pass emits its
+first token and drafts nothing). Per step the engine records the diffusion steps s the row
+drafted with (`SUFFIX` for a suffix draft, 0 for none), the drafted tokens k it verified, the
+acceptance rule, how many drafts the target accepted, and whether a pinned knob had to be cut
+(workers/pins.py). `DecodeLog.summary` turns the counts into the JSON the engine API, the CLI and
+the HTTP API report (docs/serving.md, "Per-request decode pins", defines every field).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kernels.rules import Rule
+from workers.decisions import SUFFIX
+
+CLAMP_REASONS = ("tokens_left", "draft", "block")
+
+
+def source_name(steps: int, draft_len: int) -> str:
+    """A row's draft source in a step: 'suffix', 'diffusion' or 'none' (nothing verified)."""
+    return "none" if draft_len <= 0 else "suffix" if steps == SUFFIX else "diffusion"
+
+
+def _mode(counts: Counter) -> int:
+    """The most frequent key (ties: the largest); 0 for no counts."""
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else 0
+
+
+class DecodeLog:
+    """Counts over a request's decode steps (see the module docstring)."""
+
+    def __init__(self, pins: tuple = (), block_clamps: int = 0):
+        self.steps = 0
+        self.diffusion = Counter()   # s -> decode steps drafted by diffusion in s passes
+        self.draft_len = Counter()   # k -> decode steps that verified k drafted tokens
+        self.rules = Counter()       # rule id -> decode steps that verified drafts with it
+        self.sources = Counter()     # source ('diffusion' | 'suffix' | 'none') -> decode steps
+        self.verified = Counter()    # source -> drafted tokens verified
+        self.accepted = Counter()    # source -> drafted tokens accepted
+        self.clamps = Counter({"block": block_clamps})
+        self.pins = dict(pins)
+        self.last = (0, 0, int(Rule.GREEDY))  # (s, k, rule) of the latest decode step
+
+    def record(self, steps: int, draft_len: int, rule: int, accepted: int, clamp: str | None = None) -> None:
+        """Count one decode step; `clamp`: why a pinned knob was cut this step (`CLAMP_REASONS`)."""
+        self.steps += 1
+        self.last = (steps, draft_len, rule)
+        if steps > 0:
+            self.diffusion[steps] += 1
+        self.draft_len[draft_len] += 1
+        src = source_name(steps, draft_len)
+        self.sources[src] += 1
+        if draft_len > 0:
+            self.rules[rule] += 1
+            self.verified[src] += draft_len
+            self.accepted[src] += accepted
+        if clamp is not None:
+            self.clamps[clamp] += 1
+
+    def used(self) -> dict:
+        """The summary fields `steps_used`, `draft_len_used`, `source_used`, `rules_used`."""
+        sources = sorted(s for s, n in self.verified.items() if n > 0)
+        verifying = Counter({k: n for k, n in self.draft_len.items() if k > 0})
+        rule = _mode(self.rules) if self.rules else self.last[2]
+        return {"steps_used": _mode(self.diffusion), "draft_len_used": _mode(verifying),
+                "source_used": "none" if not sources else sources[0] if len(sources) == 1 else "mixed",
+                "rules_used": Rule(rule).name}
+
+    def last_step(self) -> dict:
+        s, k, rule = self.last
+        return {"steps": max(s, 0), "draft_len": k, "source": source_name(s, k), "rule": Rule(rule).name}
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "diffusion_steps": {str(s): n for s, n in sorted(self.diffusion.items())},
+            "draft_len": {str(k): n for k, n in sorted(self.draft_len.items())},
+            "source": {src: n for src, n in sorted(self.sources.items())},
+            "rules": {Rule(r).name: n for r, n in sorted(self.rules.items())},
+            "verified": {src: n for src, n in sorted(self.verified.items())},
+            "accepted": {src: self.accepted[src] for src in sorted(self.verified)},
+            "pins": dict(self.pins),
+            "pin_clamps": {r: self.clamps[r] for r in CLAMP_REASONS},
+        }
