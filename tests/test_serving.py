@@ -289,6 +289,44 @@ def test_redis_restart_does_not_stop_serving(stack, client, redis_server):
     assert client.completions.create(model="adapt-demo", prompt="back", max_tokens=4, temperature=0).usage
 
 
+def test_pinned_decode_knobs_hold_under_each_pushed_policy(stack, redis_server, tmp_path):
+    """Through Ray Serve: one batch mixing pinned and unpinned requests, under the static and the
+    adaptive policy in turn (pushed to both workers); the pins hold on every decode step and the
+    stats say so (tests/test_pins.py checks the same in-process, and the sampled law)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adapt import policy_file
+    from adapt.serving.policy_commands import run_push
+    from adapt.serving.redis_store import RedisStore
+
+    store = RedisStore(redis_server.url)
+    pins = {"off": {"steps": 0, "draft_len": 0}, "fixed": {"steps": 2, "draft_len": 4},
+            "suffix": {"source": "suffix", "draft_len": 3}, "policy": None}
+    for name in ("static", "adaptive"):
+        path = tmp_path / f"{name}.json"
+        policy_file.save(policy_file.PolicyFile(policy=name, settings={}), path)
+        assert run_push(type("Args", (), {"policy": str(path), "redis_url": redis_server.url, "ray_address": None})) == 0
+        version = store.policy_version()
+        _wait(lambda: all(v.get("policy_version") == version for v in store.loads().values()), 15,
+              f"both workers on the {name} policy")
+        base = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+
+        def post(pin):
+            r = httpx.post(stack.url + "/v1/completions", json=dict(base, **({"decode": pin} if pin else {})), timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["adapt"]["stats"]
+
+        with ThreadPoolExecutor(len(pins)) as pool:
+            stats = dict(zip(pins, pool.map(post, pins.values())))
+        off, fixed, suffix = stats["off"]["decode_stats"], stats["fixed"]["decode_stats"], stats["suffix"]["decode_stats"]
+        assert stats["off"]["verified"] == 0 and off["source"] == {"none": off["steps"]}, (name, stats["off"])
+        assert fixed["pins"] == {"steps": 2, "draft_len": 4} and set(fixed["diffusion_steps"]) == {"2"}, (name, fixed)
+        assert fixed["draft_len"].get("4", 0) + fixed["pin_clamps"]["tokens_left"] == fixed["steps"], (name, fixed)
+        assert fixed["pin_clamps"]["tokens_left"] <= 4 and fixed["verified"].get("suffix", 0) == 0
+        assert suffix["verified"].get("diffusion", 0) == 0 and max(int(k) for k in suffix["draft_len"]) <= 3
+        assert stats["policy"]["decode_stats"]["pins"] == {}
+
+
 def test_policy_push_hot_reloads_and_corrupt_push_is_rejected(stack, redis_server, tmp_path):
     from adapt import policy_file
     from adapt.serving.policy_commands import run_push
