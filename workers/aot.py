@@ -1,7 +1,7 @@
 """Ahead-of-time compiled decode steps: the target's decode forward as an AOTInductor package.
 
 `compile="on"` (workers/compiled.py) makes decode steps ~1.6x faster on a CPU but compiles them in
-every process (minutes on SmolLM2: torch's on-disk caches refuse frozen programs, docs/engine.md).
+every process (minutes on SmolLM2: torch's on-disk caches refuse frozen programs, docs/cpu-performance.md).
 `compile="aot"` gets the same programs without that: the decode forward is exported once with
 `torch.export` (dynamic batch, query length and cache window), compiled by AOTInductor with
 freezing (weights packed for oneDNN, kernels called from C++) into a **package** (one `.pt2`

@@ -1,7 +1,7 @@
 """Compiled forwards: a model's whole forward as one generated C++ program (CPU).
 
 At decode sizes on a CPU every eager op costs a few µs of dispatch whatever its size, and a
-forward of the demo target is ~400 of them (docs/engine.md, "Speed (CPU)"). `compile_forward`
+forward of the demo target is ~400 of them (docs/cpu-performance.md). `compile_forward`
 hands the forward to `torch.compile` with inductor settings that together remove that cost:
 
 - **freezing**: the weights become constants of the program, so inductor packs each linear's
@@ -33,7 +33,7 @@ function gets its own copy of the wrapper's code.
 A **call pattern** is a path through the forward's Python branches (one start for all rows or
 not, one new token or several, logits for all positions or some): each compiles on its first
 call, 15-30 s on 2 cores (every process compiles anew: torch's on-disk caches refuse frozen graphs
-and cannot store the packed oneDNN weights in them; docs/engine.md, "Why the compiled programs are not cached across processes").
+and cannot store the packed oneDNN weights in them; docs/cpu-performance.md, "Why the compiled programs are not cached across processes").
 `warm_up` compiles the ones the engine uses before serving. Numerics are inductor's: the same
 math with its own fusion and reduction order, so logits differ from the eager forward by rounding
 (exactness tests compare decoding within one forward mode).
@@ -55,7 +55,7 @@ RECOMPILE_LIMIT = 64  # programs per compiled function (torch's default of 8 is 
 
 def resolve_compile(value: bool | str, device: torch.device) -> bool:
     """An engine's `compile` setting as a bool: "auto" is on for CPU devices (where it is
-    measured: docs/engine.md, "Compiled decode steps") and off elsewhere."""
+    measured: docs/cpu-performance.md, "Compiled decode steps") and off elsewhere."""
     if isinstance(value, bool):
         return value
     if value not in COMPILE_CHOICES:

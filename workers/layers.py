@@ -2,7 +2,7 @@
 
 On CPU at decode sizes (a few rows of a few hundred features) every eager op costs a fixed few
 µs whatever its size, so these blocks are written with as few ops as their numerics allow
-(docs/engine.md, "Speed (CPU)"): RMSNorm is 6 ops (HF's form is 9), RoPE 4 (was 7).
+(docs/cpu-performance.md, "Fewer ops per step"): RMSNorm is 6 ops (HF's form is 9), RoPE 4 (was 7).
 """
 
 from __future__ import annotations

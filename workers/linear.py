@@ -5,7 +5,7 @@ Words used here:
 - **packed weight**: a bf16/fp16 weight reordered once into oneDNN's blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses). A plain bf16
   `F.linear` on CPU re-lays the weight out on every call, a fixed cost of ~15–40 µs (one thread);
-  the packed call skips it and is 10–45% faster at every size measured (docs/engine.md, "Speed").
+  the packed call skips it and is 10–45% faster at every size measured (docs/cpu-performance.md).
 - **shadow**: a float32 copy of the weight. fp32 has no fixed cost at all, but reads twice the
   bytes, so it only wins for tiny matmuls (one row through a 256 × 256 weight).
 - **native low precision**: whether oneDNN computes bf16 (fp16) matmuls in hardware (AVX-512
@@ -20,7 +20,7 @@ Words used here:
   small projections do. Where the CPU has no native low precision, wide matmuls use an fp32
   shadow too (every layer may get one then, built at its first wide call: the fp32 copy doubles
   the weights' memory; a SmolLM2 forward 1.5x faster at 16 tokens, 4x for a 256-token prefill,
-  docs/engine.md, "Wide fp32 matmuls"). The
+  docs/cpu-performance.md, "Wide fp32 matmuls"). The
   copies are built on first use (parts of a fused projection never are). Off the CPU, or for
   fp32 weights, it is exactly `nn.Linear`.
 - **fused projection**: several linears that read the same input (q/k/v, gate/up) computed as one
@@ -44,7 +44,7 @@ from torch.nn import functional as F
 SMALL_MATMUL_MACS = 150_000
 # Tokens from which a CPU without native bf16 runs a bf16 layer through its fp32 shadow. Measured
 # on SmolLM2-135M, two threads, an AMD EPYC with AVX2 only (`python -m adapt.bench.forward_speed
-# --wide-table`, docs/engine.md "Wide fp32 matmuls"): emulated bf16 costs ~21 ms per token per
+# --wide-table`, docs/cpu-performance.md "Wide fp32 matmuls"): emulated bf16 costs ~21 ms per token per
 # forward, fp32 ~200 ms flat up to ~16 tokens (reading 4-byte weights), so the two cross at 8–10.
 WIDE_ROWS = 10
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

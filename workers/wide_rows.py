@@ -11,7 +11,7 @@ Words used here (see workers/linear.py for the paths themselves):
 
 The crossover depends on the machine (cores, caches, memory bandwidth) and the shape: measured on
 SmolLM2-135M, two threads, an AMD EPYC with AVX2 only, the attention and MLP projections cross at
-6–8 rows and the 49,152-row LM head at 6–12 (docs/engine.md, "Per-shape thresholds timed at
+6–8 rows and the 49,152-row LM head at 6–12 (docs/cpu-performance.md, "Per-shape thresholds timed at
 start-up"). One constant (`WIDE_ROWS`) for every layer left ~10 % of an 8-token forward on the
 table, so an engine times its own layers at start-up (`EngineConfig.wide_rows="auto"`): a few
 seconds, once per machine.
