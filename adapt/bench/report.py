@@ -161,7 +161,8 @@ def _speed_rows(out: Path) -> list[tuple[str, str, str]]:
         else:
             number = f"**{_ratio(plain.get(str(b), ours['tokens_per_s'] / ar['tokens_per_s']))}**; " \
                      f"{ours['tokens_per_s']:.0f} against {ar['tokens_per_s']:.0f} tok/s, τ {ours['tau']:.2f}"
-        what = (f"speed, adaptive policy, batch {b}: {cfg['num_prompts']} prompts ({prompts}) × "
+        n = cfg["num_prompts"]
+        what = (f"speed, adaptive policy, batch {b}: {n} prompt{'s' if n != 1 else ''} ({prompts}) × "
                 f"{cfg['max_tokens']} tokens, greedy, {steps}")
         rows.append((what, number, "autoregressive decoding on the same engine (`adapt-ar`)"
                      + (", interleaved step by step" if cfg.get("interleave") else "")))
