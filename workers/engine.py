@@ -115,7 +115,7 @@ class EngineConfig:
     own; below 1 sharpens the drafter's distribution q towards its likeliest tokens). Exactness
     does not depend on it: rejection sampling is exact for whatever q a draft was drawn from, and
     acceptance reads that q (workers/drafting.py `denoise`); only how many drafts the target
-    accepts does (`scripts/draft_temperature.py` measures it)."""
+    accepts does (on SmolLM2 no scale was a clear gain: docs/engine.md)."""
 
     target: str | Path = DEMO_TARGET
     drafter: str | Path | None = DEMO_DRAFTER
@@ -669,12 +669,12 @@ class Engine:
         # positions in the target forward: each row's own (packed) or rows padded to the longest
         positions = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
         tracing = self.trace_sink is not None
-        left = batch.rows.remaining.tolist()
         outputs, done, records = [], [], []
         for i, req in enumerate(batch.requests):
             ai, tvd_i, new = result.accepted[i], result.tvd[i], result.tokens[i]
             kk, s_i, rule_i = plan.draft_len_host[i], batch.steps_host[i], plan.rule_host[i]
-            clamp = pin_clamp(req.pins, s_i, kk, left[i]) if req.pins.any else None
+            # tokens left as the step began: the row's output grows only in `emit`, below
+            clamp = pin_clamp(req.pins, s_i, kk, remaining(req, self.max_len)) if req.pins.any else None
             advance(req, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i],
                     clamp)
             if tracing:
