@@ -62,6 +62,9 @@ def add_parser(subparsers) -> None:
                         f"more are answered 429 with Retry-After (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body; larger ones are answered 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--start-timeout-s", type=float, default=600.0,
+                   help="how long the replicas may take to come up before the start fails (default 600; Serve's "
+                        "proxy readiness timeout is RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S: docs/serving.md, 'Start-up')")
     p.set_defaults(run=run)
 
 
@@ -94,6 +97,7 @@ def run(args) -> int:
     import time
 
     from adapt.serving.launcher import start_stack
+    from adapt.serving.startup import Progress, StartupError, one_line_cause
     from adapt.targets import ServerDefaults
 
     from workers.pairs import resolve_models
@@ -117,21 +121,25 @@ def run(args) -> int:
         raise SystemExit("--max-queue: must be >= 0")
     if args.max_body_bytes < 1:
         raise SystemExit("--max-body-bytes: must be >= 1")
+    if not args.start_timeout_s > 0:
+        raise SystemExit("--start-timeout-s: must be > 0")
     from adapt.serving.auth import ApiKeys
 
     api_keys = ApiKeys.from_sources(args.api_key)
     defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
     policy, policy_file = default_policy(args.policy, args.policy_file, shipped, drafter)
-    stack = start_stack(
-        str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
-        redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
-        engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device, **serve_compile(args.compile), "admission": args.admission,
-                        "admission_max_wait_ms": args.admission_max_wait_ms},
-        ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
-        default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes, host=args.host, port=args.port,
-    )
+    try:
+        stack = _start(start_stack, target, drafter, args, policy, policy_file, model_name, defaults, api_keys,
+                       Progress("adapt serve"))
+    except StartupError as exc:  # one line, the cause and the fix; Serve and Ray already stopped
+        print(f"adapt serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - an unforeseen cause: still one line, the logs for the rest
+        print(f"adapt serve: error: start-up failed ({one_line_cause(exc)}); fix: see the error it names (Ray's logs "
+              "are under /tmp/ray/session_latest/logs)", file=sys.stderr, flush=True)
+        return 1
     url = stack.url
     store = args.redis_url or "in-process (controller)"
     auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
@@ -148,6 +156,21 @@ def run(args) -> int:
     finally:
         stack.shutdown()
     return 0
+
+
+def _start(start_stack, target, drafter, args, policy, policy_file, model_name, defaults, api_keys, progress):
+    """`start_stack` with the command line's options."""
+    return start_stack(
+        str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
+        redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
+        engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
+                        "device": args.device, **serve_compile(args.compile), "admission": args.admission,
+                        "admission_max_wait_ms": args.admission_max_wait_ms},
+        ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
+        default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, host=args.host, port=args.port, progress=progress,
+        start_timeout_s=args.start_timeout_s,
+    )
 
 
 def _interrupt(signum, frame) -> None:

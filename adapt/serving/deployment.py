@@ -51,7 +51,8 @@ from ray import serve
 from adapt.serving.headers import ApiError
 
 __all__ = ["Decoder", "ControllerDeployment", "Ingress", "ServeBackend", "app_builder", "ingress_admission_limit",
-           "DECODER_MAX_ONGOING", "DECODER_MAX_QUEUED", "INGRESS_MAX_ONGOING", "INGRESS_MAX_QUEUED", "RETRY_AFTER_S"]
+           "DECODER_MAX_ONGOING", "DECODER_MAX_QUEUED", "INGRESS_MAX_ONGOING", "INGRESS_MAX_QUEUED", "RETRY_AFTER_S",
+           "HEALTH_CHECK_PERIOD_S", "HEALTH_CHECK_TIMEOUT_S"]
 
 # Code-level defaults; deploy/serve_config.yaml sets the same values (tests/test_serve_flood.py checks).
 DECODER_MAX_ONGOING = 64     # = the engine's max_batch: requests one Decoder replica runs at once
@@ -59,6 +60,15 @@ DECODER_MAX_QUEUED = 128     # requests waiting for a Decoder replica, per Ingre
 INGRESS_MAX_ONGOING = 1000   # requests one Ingress replica holds (Serve's limit; beyond it the proxy queues)
 INGRESS_MAX_QUEUED = 1000    # requests Serve's proxy queues for the Ingress before refusing them itself
 RETRY_AFTER_S = 1            # the Retry-After of every 429
+# Serve asks every replica whether it is alive every HEALTH_CHECK_PERIOD_S and replaces one that
+# misses HEALTH_CHECK_TIMEOUT_S three times in a row (Serve: 10 s, 30 s). On a loaded 2-core machine
+# a replica's answer waits for CPU behind its own engine loop and the other processes: 60 s gives a
+# replica that is merely slow twice Serve's margin. A config file's ``health_check_period_s`` /
+# ``health_check_timeout_s`` per deployment (or decoder_options / ingress_options) change them;
+# the proxies' timeouts are Serve's controller's (`adapt.serving.startup`).
+HEALTH_CHECK_PERIOD_S = 10
+HEALTH_CHECK_TIMEOUT_S = 60
+_HEALTH = {"health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S}
 
 
 def _backpressure_429() -> dict[str, Any]:
@@ -84,7 +94,7 @@ def _replica_id() -> str:
 
 
 @serve.deployment(name="Decoder", max_ongoing_requests=DECODER_MAX_ONGOING, max_queued_requests=DECODER_MAX_QUEUED,
-                  ray_actor_options={"num_gpus": 1}, **_backpressure_429())
+                  ray_actor_options={"num_gpus": 1}, **_HEALTH, **_backpressure_429())
 class Decoder:
     """A decoder replica: the engine loop with the decision function in-process. `controller`:
     the Controller deployment's handle, whose in-process store the replica uses when there is
@@ -139,7 +149,7 @@ def _node_id() -> str | None:
 
 
 @serve.deployment(name="Controller", num_replicas=1, max_ongoing_requests=100, ray_actor_options={"num_cpus": 0},
-                  graceful_shutdown_wait_loop_s=0.5)  # its calls are short: stop without Serve's 2 s wait
+                  graceful_shutdown_wait_loop_s=0.5, **_HEALTH)  # its calls are short: stop without Serve's 2 s wait
 class ControllerDeployment:
     """The central controller as a single Serve replica. Without `redis_url` it hosts the
     in-process state store (`store_call`, for `ControllerStoreClient`), and publishes
@@ -249,7 +259,7 @@ def _own_max_ongoing_requests() -> int:
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=INGRESS_MAX_ONGOING, max_queued_requests=INGRESS_MAX_QUEUED,
-                  **_backpressure_429())
+                  **_HEALTH, **_backpressure_429())
 @serve.ingress()
 class Ingress:
     """The OpenAI-compatible HTTP front. max_requests: generation requests this replica admits

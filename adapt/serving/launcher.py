@@ -3,7 +3,11 @@
 `start_stack` brings up (or joins) Ray, starts Serve with its HTTP proxy on ``host:port`` and
 runs the one serving application (`adapt.serving.deployment.app_builder`, the same that
 ``serve deploy deploy/serve_config.yaml`` runs on a cluster) with ``num_workers`` Decoder
-replicas, each with ``torch`` threads = cores / workers; it returns once every replica is up.
+replicas, each with ``torch`` threads = cores / workers; it returns once every replica is up,
+reporting each stage to `progress` (Ray, Serve, the replicas as they come up). Serve's
+proxy readiness and health-check timeouts are the ones a loaded machine needs
+(`adapt.serving.startup`). A start that fails raises `adapt.serving.startup.StartupError` (one
+line: the cause and the fix) after stopping what it started: Serve, and Ray when it started it.
 `HttpServer` runs a FastAPI app with uvicorn on a background thread (the in-process tests, which
 put one decoder worker behind `adapt.serving.http_app.build_app` without Ray).
 """
@@ -16,8 +20,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from adapt.serving.startup import StartupError, one_line_cause, serve_controller_env
 from adapt.targets import ServerDefaults
 
 __all__ = ["Stack", "start_stack", "HttpServer"]
@@ -67,7 +72,8 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
                 worker_resources: dict[str, float] | None = None, num_threads: int | None = None,
                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, default_max_tokens: int = 64,
                 api_keys: Any = None, max_queue: int | None = None, max_body_bytes: int | None = None,
-                host: str = "127.0.0.1", port: int = 0, app_name: str = "adapt") -> Stack:
+                host: str = "127.0.0.1", port: int = 0, app_name: str = "adapt",
+                progress: Callable[[str], None] | None = None, start_timeout_s: float = 600.0) -> Stack:
     """Run the serving application on Ray; see the module docstring.
 
     worker_resources: custom Ray resources every Decoder replica takes (e.g. ``{"decoder_slot":
@@ -83,6 +89,8 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     ValueError naming it, before Ray or any worker starts); so is the policy file.
     A worker whose process dies is replaced by Serve (it reloads the models and the store's
     current policy); port 0 picks a free port.
+    progress: called with a line per start-up stage (default: logged). start_timeout_s: how long
+    the application may take to run every replica before the start fails (StartupError).
     """
     import ray
     from ray import serve
@@ -95,17 +103,30 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     # checked before anything starts: an unknown or ill-typed option is a ValueError naming it
     engine_options = validate_engine_options(engine_options)
     max_batch = int(engine_options.get("max_batch", _engine_default("max_batch")))
+    say = progress or log.info
+    local = not ray.is_initialized() and not ray_address
     if port == 0:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
+    elif local:  # a local Ray has no Serve yet: the port must be free for its proxy
+        _check_port_free(host, port)
     owns_ray = False
     if not ray.is_initialized():
-        if ray_address:
-            ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
-        else:
-            _init_local_ray(num_cpus or os.cpu_count() or 1, NAMESPACE)
+        say(f"starting Ray ({'joining ' + ray_address if ray_address else 'local, %d CPUs' % (num_cpus or os.cpu_count() or 1)})")
+        try:
+            if ray_address:
+                ray.init(address=ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+            else:
+                _init_local_ray(num_cpus or os.cpu_count() or 1, NAMESPACE)
+        except Exception as exc:  # noqa: BLE001 - Ray raises bare Exceptions here
+            if ray.is_initialized():
+                ray.shutdown()
+            fix = ("start the cluster first (`ray start --head`) or check the address" if ray_address else
+                   "free some CPU, or start Ray yourself (`ray start --head`) and pass --ray-address auto")
+            raise StartupError(f"Ray did not start ({one_line_cause(exc)}); fix: {fix}") from exc
         owns_ray = True
+        say("Ray is up")
     cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     threads = num_threads or max(1, cores // max(1, num_workers))
     defaults = defaults or ServerDefaults()
@@ -125,11 +146,28 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
                                 "graceful_shutdown_wait_loop_s": 0.5}}
     owns_serve = False
     try:
+        if local:  # a fixed set of nodes: a replica no node can hold would wait for ever
+            _check_placeable(actor_options, num_workers)
         app = app_builder(args)  # checks the policy file (and publishes it to Redis) before Serve starts
         owns_serve = not _serve_running()
-        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-        # returns once every replica is up; no access log line per request (as uvicorn at "warning" before)
-        serve.run(app, name=app_name, route_prefix="/", logging_config={"enable_access_log": False})
+        if owns_serve:
+            say(f"starting Serve (its controller and the HTTP proxy on {host}:{port})")
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                        controller_options={"runtime_env": {"env_vars": serve_controller_env()}})
+        except Exception as exc:  # noqa: BLE001 - the proxy missed its readiness check, or died
+            ready = serve_controller_env()["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]
+            raise StartupError(
+                f"Serve's HTTP proxy on {host}:{port} did not become ready ({one_line_cause(exc)}); fix: free some "
+                f"CPU or raise RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (now {ready} s), and check that nothing "
+                f"else holds port {port}") from exc
+        say(f"Serve is up; deploying application {app_name!r}: Controller, Ingress, {num_workers} Decoder "
+            "replica(s) (each loads the models)")
+        # no access log line per request (as uvicorn at "warning" before)
+        serve.run_many([serve.RunTarget(app, name=app_name, route_prefix="/",
+                                        logging_config={"enable_access_log": False})],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        _wait_running(app_name, start_timeout_s, say)
     except BaseException:
         try:
             if owns_serve:
@@ -154,6 +192,63 @@ def _engine_default(name: str) -> Any:
     from workers.engine import EngineConfig
 
     return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise StartupError(f"port {port} on {host} is in use ({exc.strerror}); fix: pass another --port, or stop "
+                               "the process that holds it") from None
+
+
+def _check_placeable(actor_options: dict[str, Any], num_workers: int) -> None:
+    """A StartupError when no node of this Ray can hold one Decoder replica (Serve would wait for
+    resources for ever)."""
+    import ray
+
+    need = {"CPU": float(actor_options.get("num_cpus") or 0), **actor_options.get("resources", {})}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(node.get(k, 0.0) >= v for k, v in need.items() if v > 0) for node in nodes):
+        return
+    have = ", ".join(f"{k}={max((n.get(k, 0.0) for n in nodes), default=0):g}" for k in need)
+    wanted = ", ".join(f"{k}={v:g}" for k, v in need.items())
+    raise StartupError(f"no Ray node can hold a Decoder replica: each needs {wanted}, the largest node has {have}; "
+                       "fix: lower --worker-cpus (or join a cluster with such a node: --ray-address)")
+
+
+def _wait_running(app_name: str, timeout_s: float, say: Callable[[str], None], poll_s: float = 0.5) -> None:
+    """Wait until Serve reports application `app_name` RUNNING, reporting replica counts as they
+    change; a StartupError when it fails to deploy or `timeout_s` passes first."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    summary = ""
+    while True:
+        status = serve.status()
+        app = status.applications.get(app_name)
+        if app is not None:
+            state = str(getattr(app.status, "value", app.status))
+            if state == "RUNNING":
+                say(f"application {app_name!r} is running")
+                return
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                detail = [line.strip() for line in (app.message or "").splitlines() if line.strip()]
+                for dep in app.deployments.values():
+                    detail += [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
+                cause = detail[-1] if detail else state
+                raise StartupError(f"application {app_name!r} failed to start ({state}: {cause[:300]}); fix: see the "
+                                   "error it names (the replica's log is under /tmp/ray/session_latest/logs/serve)")
+            summary = "; ".join(f"{name} " + ", ".join(f"{n} {str(getattr(k, 'value', k)).lower()}"
+                                                       for k, n in dep.replica_states.items())
+                                for name, dep in sorted(app.deployments.items()) if dep.replica_states)
+            if summary:
+                say(f"replicas: {summary}")
+        if time.monotonic() > deadline:
+            raise StartupError(f"application {app_name!r} not running after {timeout_s:g} s (replicas: "
+                               f"{summary or 'none yet'}); fix: free some CPU or memory, or raise --start-timeout-s")
+        time.sleep(poll_s)
 
 
 def _serve_running() -> bool:
