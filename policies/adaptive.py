@@ -516,7 +516,7 @@ class AdaptivePolicy(Policy):
         copy while others keep diffusion drafts comes a second time with those others plain (their
         planned extra tokens lost, no drafter pass): at 2 requests a step whose copy row sat beside
         a plain row earned more per ms than one beside a diffusing row (0.16–0.22 against
-        0.14–0.18 tokens per ms for copies of 3 or more tokens, `scripts/step_log.py`), but live
+        0.14–0.18 tokens per ms for copies of 3 or more tokens, `adapt.bench.instruments.step_log`), but live
         the option measured 0.950× static suffix drafting against 0.966× without it (one
         interleaved run, three rounds).
 

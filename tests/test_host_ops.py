@@ -1,21 +1,20 @@
-"""scripts/host_ops.py: torch operations per decode step, by phase and line, on the demo pair."""
+"""`python -m adapt.bench.instruments.host_ops`: torch operations per decode step, by phase and line, on the demo pair."""
 
 from __future__ import annotations
 
 import json
 
-from tests.script_loader import load_script
+from adapt.bench.instruments import host_ops
 
 
 def test_host_ops_counts_each_phase_of_a_step_and_repeats_exactly(tmp_path):
     """A run counts operations in the decision maker's calls, verification and drafting, names
     lines of our code, and (a clock that ticks per reading, the policy file's costs) counts the
     same again on a second run: two versions of the code can be compared step for step."""
-    script = load_script("host_ops")
     outs = []
     for i in range(2):
         out = tmp_path / f"ops{i}.json"
-        assert script.main(["--pair", "demo", "--compile", "off", "--load", "2", "--requests", "4",
+        assert host_ops.main(["--pair", "demo", "--compile", "off", "--load", "2", "--requests", "4",
                             "--lines", "10", "--out", str(out)]) == 0
         outs.append(json.loads(out.read_text()))
     first, second = outs

@@ -1,15 +1,15 @@
-"""scripts/source_ceiling.py: the oracle that copies where static suffix drafting copied and
+"""`python -m adapt.bench.instruments.source_ceiling`: the oracle that copies where static suffix drafting copied and
 drafts by diffusion elsewhere at the adaptive policy's measured rate."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.script_loader import load_script
+from adapt.bench.instruments import source_ceiling
 
 
 def _script():
-    return load_script("source_ceiling")
+    return source_ceiling
 
 
 def _records(rid: str, steps: list[tuple[str, int, float]], temperature: float = 0.0) -> list[dict]:

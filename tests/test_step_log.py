@@ -1,12 +1,11 @@
-"""`scripts/step_log.py`'s summary: tokens per ms of plain and drafting steps by batch size."""
+"""`python -m adapt.bench.instruments.step_log`'s summary: tokens per ms of plain and drafting steps by batch size."""
 
 from __future__ import annotations
 
-from tests.script_loader import load_script
+from adapt.bench.instruments import step_log
 
 
 def test_summary_splits_plain_and_drafting_steps_by_batch_size():
-    step_log = load_script("step_log")
     steps = [{"B": 32, "ms": 90.0, "positions": 32, "accepted": 0, "verified": 0},
              {"B": 32, "ms": 90.0, "positions": 32, "accepted": 0, "verified": 0},
              {"B": 32, "ms": 218.0, "positions": 121, "accepted": 13, "verified": 89},

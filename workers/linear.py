@@ -38,12 +38,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Calibrated with one thread on the demo's shapes, weights not in cache (`python -m
-# adapt.bench.forward_speed --linears`): against the packed path fp32 wins for 1–4 rows through
+# Calibrated with one thread on the demo's shapes, weights not in cache (`adapt bench forward
+# variants --linears`): against the packed path fp32 wins for 1–4 rows through
 # 256 × 256 (17–21 vs 22–24 µs) and loses for one row through 256 × 768 (42 vs 36 µs, 197K MACs).
 SMALL_MATMUL_MACS = 150_000
 # Tokens from which a CPU without native bf16 runs a bf16 layer through its fp32 shadow. Measured
-# on SmolLM2-135M, two threads, an AMD EPYC with AVX2 only (`python -m adapt.bench.forward_speed
+# on SmolLM2-135M, two threads, an AMD EPYC with AVX2 only (`adapt bench forward variants
 # --wide-table`, docs/cpu-performance.md "Wide fp32 matmuls"): emulated bf16 costs ~21 ms per token per
 # forward, fp32 ~200 ms flat up to ~16 tokens (reading 4-byte weights), so the two cross at 8–10.
 WIDE_ROWS = 10

@@ -1,4 +1,5 @@
-"""Benchmarks: speed, policies under load, kernels, the GPU check (see docs/benchmarks.md)."""
+"""Benchmarks (`adapt bench`: speed, policies, kernels, ab, forward, load, flood, ...), the GPU check, and
+maintainers' profiling instruments (`adapt.bench.instruments`); docs/instruments.md lists them."""
 
 from __future__ import annotations
 

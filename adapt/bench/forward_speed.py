@@ -1,20 +1,40 @@
-"""Side-by-side timings of the target forward and of single linears (not a test).
+"""`adapt bench forward`: what one target forward (and one drafter pass) costs, side by side.
 
-    python -m adapt.bench.forward_speed                       # demo target, bf16, 1 thread
-    python -m adapt.bench.forward_speed --linears             # + fp32 / bf16 / packed F.linear table
-    python -m adapt.bench.forward_speed --thresholds          # + shape-aware fp32 thresholds
-    python -m adapt.bench.forward_speed --compile             # + torch.compile of the forward
-    python -m adapt.bench.forward_speed --thread-table        # + the default forward at 1 vs N threads
-    python -m adapt.bench.forward_speed --wide-table          # + wide fp32 matmuls on vs off
+    adapt bench forward widths --pair smollm2 --compile aot       # per width, on the engine the benchmarks use
+    adapt bench forward widths --contexts 64,448,960              # + per width after each prompt length
+    adapt bench forward variants                                  # demo target, bf16, 1 thread
+    adapt bench forward variants --linears                        # + fp32 / bf16 / packed F.linear table
+    adapt bench forward variants --thresholds                     # + shape-aware fp32 thresholds
+    adapt bench forward variants --torch-compile                  # + torch.compile of the forward
+    adapt bench forward variants --thread-table                   # + the default forward at 1 vs N threads
+    adapt bench forward variants --wide-table                     # + wide fp32 matmuls on vs off
 
-Variants of the same `TargetModel`, loaded side by side in one process and timed in turns (so a
+(`python -m adapt.bench.forward_speed ...` runs the same.) Each prints its report as JSON and
+writes it to ``--out``.
+
+**widths**: the cost model's verify table is indexed by the tokens a target forward takes, and a
+start-up profile times it at a grid of token counts (`adapt.cost_model.PROFILE_TOKEN_GRID`);
+between grid points the table interpolates linearly. This times, on the pair's engine at one row
+after a prompt of ``--context`` tokens, the target forward over 1 .. ``--max-tokens`` tokens (as a
+decode step verifies an anchor and its drafts) and the drafter's denoising pass over
+``[anchor, MASK x span]`` for each span (`DrafterContext.block_pass`, the compiled package where it
+takes the shape). The widths take turns in sweeps, in a new shuffled order each sweep, as the
+start-up profile times its grid (`adapt.cost_model.sweep_medians`: a drift of the machine meets
+every width alike, and so does the slower first call after the other model's; in a fixed order the
+first forward of each sweep read ~15 % slower than the next), and each keeps its median.
+``--contexts`` also times the target forward after each of those prompt lengths, in the same sweeps
+(``target_forward_ms_by_context``): what a wide verify costs as the cache grows (on SmolLM2, its
+extra over one token is attention, ~0.4 ms for five more tokens over 64 cached ones and ~4.5 ms over
+960; the engine is sized for the longest).
+
+**variants**: Variants of the same `TargetModel`, loaded side by side in one process and timed in turns (so a
 busy machine slows all of them alike; compare the ratios, not the absolute times):
 - `plain`: `load_target(shape_aware=False, fuse=False)`, every projection its own bf16 matmul;
 - `fused`: q/k/v and gate/up fused (`fuse=True`), plain bf16 matmuls;
 - `fused+packed`: fused, shape-aware linears without fp32 shadows (threshold 0);
 - `fused+sa`: fused and shape-aware linears, the engine's default on CPU (workers/linear.py);
 - `sa@N` (`--thresholds`): `fused+sa` with `SMALL_MATMUL_MACS` = N;
-- `compiled` (`--compile`): `fused` with a plain `torch.compile(forward, dynamic=True)`, no
+- `compiled` (`--torch-compile`): `fused` with a plain `torch.compile(forward, dynamic=True)`, no
   freezing; its compile time (first calls) is reported separately. This is *not* the engine's
   compiled path (workers/compiled.py: freezing, cpp_wrapper; docs/engine.md, "Compiled decode
   steps"), which measured 0.5-0.6x of the eager forward where this one measured 0.9-1.3x.
@@ -196,45 +216,135 @@ def wide_table(target: str, dtype: torch.dtype, context: int, iters: int, rounds
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("forward", help="target forward and drafter pass cost per width or per variant (JSON)",
+                              description=__doc__.split("\n\n")[0])
+    _add_tables(p)
+
+
+def _add_tables(p: argparse.ArgumentParser) -> None:
     from workers.engine import DEMO_TARGET
     from workers.target_model import DTYPES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default=str(DEMO_TARGET))
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=300, help="cached tokens per row before the timed call")
-    ap.add_argument("--iters", type=int, default=20, help="forward calls per timing")
-    ap.add_argument("--rounds", type=int, default=7, help="timings per variant and shape, in turns; the best counts")
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile(forward, dynamic=True)")
-    ap.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
-    ap.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
-    ap.add_argument("--thread-table", action="store_true", help="also time the default forward at 1 vs --threads threads")
-    ap.add_argument("--wide-table", action="store_true", help="only time the default forward with wide fp32 matmuls auto vs fixed vs off")
-    ap.add_argument("--out", help="also write the report (JSON) here")
-    args = ap.parse_args(argv)
+    sub = p.add_subparsers(dest="table", required=True)
+    w = sub.add_parser("widths", help="per width (tokens of a target forward, span of a drafter pass) on the pair's engine")
+    w.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    w.add_argument("--compile", default="aot", choices=("off", "aot"), help="the engine's decode steps")
+    w.add_argument("--context", type=int, default=400, help="prompt tokens before the timed positions")
+    w.add_argument("--max-tokens", type=int, default=17, help="the widest target forward timed")
+    w.add_argument("--contexts", default="", help="comma-separated prompt lengths to time the target "
+                   "forward after as well (e.g. 64,448,960)")
+    w.add_argument("--sweeps", type=int, default=15)
+    w.add_argument("--threads", type=int, default=2)
+    w.add_argument("--out", default=None, help="also write the report (JSON) here")
+    w.set_defaults(run=run_widths)
+
+    v = sub.add_parser("variants", help="variants of the target forward (fusion, shape-aware linears, threads) in turns")
+    v.add_argument("--target", default=str(DEMO_TARGET))
+    v.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--context", type=int, default=300, help="cached tokens per row before the timed call")
+    v.add_argument("--iters", type=int, default=20, help="forward calls per timing")
+    v.add_argument("--rounds", type=int, default=7, help="timings per variant and shape, in turns; the best counts")
+    v.add_argument("--torch-compile", action="store_true", help="also time torch.compile(forward, dynamic=True)")
+    v.add_argument("--linears", action="store_true", help="also print the fp32 / plain / packed F.linear table")
+    v.add_argument("--thresholds", action="store_true", help="also time fp32 thresholds " + str(THRESHOLDS))
+    v.add_argument("--thread-table", action="store_true", help="also time the default forward at 1 vs --threads threads")
+    v.add_argument("--wide-table", action="store_true", help="only time the default forward with wide fp32 matmuls auto vs fixed vs off")
+    v.add_argument("--out", help="also write the report (JSON) here")
+    v.set_defaults(run=run_variants)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m adapt.bench.forward_speed TABLE ARGS`: the same as `adapt bench forward TABLE ARGS`."""
+    p = argparse.ArgumentParser(prog="adapt bench forward", description=__doc__.split("\n\n")[0])
+    _add_tables(p)
+    args = p.parse_args(argv)
+    return args.run(args)
+
+
+def run_variants(args) -> int:
+    from workers.target_model import DTYPES
+
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     report = {"threads": args.threads, "dtype": args.dtype}
     if args.wide_table:
         report["wide_ms"] = wide_table(args.target, dtype, args.context, args.iters, args.rounds)
-        return _emit(report, args.out)
+        _emit(report, args.out)
+        return 0
     if args.linears:
         report["linear_us"] = linear_table(dtype, iters=10)
-    report |= forward_table(args.target, dtype, args.context, args.iters, args.compile,
+    report |= forward_table(args.target, dtype, args.context, args.iters, args.torch_compile,
                             THRESHOLDS if args.thresholds else (), args.rounds)
     if args.thread_table:
         report["thread_table_ms"] = thread_table(args.target, dtype, args.context, args.iters, args.threads, args.rounds)
     _emit(report, args.out)
+    return 0
+
+
+def run_widths(args) -> int:
+    """The target forward per token count and the drafter pass per span, on the pair's engine."""
+    try:
+        contexts = sorted({int(c) for c in args.contexts.split(",") if c.strip()})
+    except ValueError:
+        raise SystemExit(f"adapt bench forward widths: error: --contexts: comma-separated integers, got {args.contexts!r}")
+    if any(c < 1 for c in contexts):
+        raise SystemExit("adapt bench forward widths: error: --contexts: prompt lengths must be >= 1")
+
+    import functools
+
+    from adapt.bench.policies import chat_prompt_limit, workload_engine
+    from adapt.cost_model import sweep_medians
+
+    torch.set_num_threads(args.threads)
+    # room for the longest context (workload_engine sizes the cache for its prompts plus this)
+    extra = max(args.max_tokens + 8, max(contexts, default=0) + args.max_tokens + 24 - chat_prompt_limit(64))
+    engine, _ = workload_engine(args.pair, "mixed", 1, extra, compile=args.compile)
+    dr, K = engine.drafter, engine.block
+    longest = engine.max_len - args.max_tokens - K - 2
+    context = min(args.context, longest)
+    contexts = sorted({min(c, longest) for c in contexts})
+
+    def forward(t: int, at: int = context) -> None:
+        ids = torch.zeros(1, t, dtype=torch.long)  # [1, t]
+        engine.target_forward(ids, torch.full((1,), at), engine.tcache, 0, at + t, start_value=at)
+
+    def draft(span: int) -> None:
+        W = context + span + 1
+        tokens = torch.zeros(1, span + 1, dtype=torch.long)  # [1, span + 1]: the anchor, then masks
+        masked = torch.ones(1, span + 1, dtype=torch.bool)
+        masked[:, 0] = False
+        rope = dr.rope(context + torch.arange(span + 1)[None], dr.mask_embedding.dtype, bound=engine.dcache.max_len)
+        one_pass = engine.drafting.block_pass(engine.dcache.views(0, 1, W), None, rope, 1, span + 1, W)
+        torch.softmax(one_pass(tokens, masked).float(), -1)
+
+    points = [("forward", t) for t in range(1, args.max_tokens + 1)]
+    if dr is not None:
+        points += [("draft", s) for s in range(1, K + 1)]
+    points += [("at", c, t) for c in contexts for t in range(1, args.max_tokens + 1)]
+    run = {"forward": forward, "draft": draft, "at": lambda c, t: forward(t, c)}
+    with torch.inference_mode():  # a new order every sweep, as the start-up profile times its grid
+        ms = sweep_medians([functools.partial(run[kind], *n) for kind, *n in points], args.sweeps)
+    median = dict(zip(points, ms.tolist()))
+    result = {"pair": args.pair, "compile": args.compile, "context": context, "sweeps": args.sweeps,
+              "target_forward_ms": {t: round(median[("forward", t)], 3) for t in range(1, args.max_tokens + 1)},
+              "drafter_pass_ms": {s: round(median[("draft", s)], 3)
+                                  for s in range(1, K + 1)} if dr is not None else {}}
+    if contexts:
+        result["target_forward_ms_by_context"] = {c: {t: round(median[("at", c, t)], 3)
+                                                      for t in range(1, args.max_tokens + 1)} for c in contexts}
+    _emit(result, args.out)
+    return 0
 
 
 def _emit(report: dict, out: str | None) -> None:
     print(json.dumps(report, indent=1))
     if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
+        from adapt.bench import write_json
+
+        write_json(out, report)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

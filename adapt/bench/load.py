@@ -1,13 +1,15 @@
-"""A short load run against a running ``adapt serve`` (or any OpenAI-compatible server).
+"""`adapt bench load`: a short load run against a running ``adapt serve`` (or any OpenAI-compatible server).
 
-    python -m adapt.bench.load --url http://127.0.0.1:8000 --concurrency 8 --requests 64 \\
+    adapt bench load --url http://127.0.0.1:8000 --concurrency 8 --requests 64 \\
         --max-tokens 64 --header X-SLA-TPOT-Ms=50 --out runs/load.json
 
 `concurrency` clients each send streaming completions back to back until `requests` are done.
 Per request it measures, from the client's side, *TTFT* (time to the first token) and *TPOT*
 (time per output token after the first: ``(t_last - t_first) / (tokens - 1)``), and reads the
 server's SLA verdict and τ from the final chunk. It prints and writes requests/s, output
-tokens/s, p50/p99 of TPOT and TTFT, SLA attainment and mean τ. Not part of ``adapt bench``.
+tokens/s, p50/p99 of TPOT and TTFT, SLA attainment and mean τ (`python -m adapt.bench.load` runs the
+same). `adapt bench flood` (adapt/bench/flood.py) starts its own Ray Serve application instead and
+floods it past its queues.
 """
 
 from __future__ import annotations
@@ -124,8 +126,14 @@ async def run_load(url: str, concurrency: int, requests: int, max_tokens: int, t
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m adapt.bench.load", description=__doc__.split("\n\n")[0])
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("load", help="closed-loop load against a running server: TPOT, TTFT, SLA (JSON)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(run=lambda args: run(args, p))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=64)
@@ -136,7 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: code prompts)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="write the result JSON here")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="adapt bench load", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv), p)
+
+
+def run(args, p: argparse.ArgumentParser) -> int:
     headers = {}
     for item in args.header:
         name, sep, value = item.partition("=")
@@ -145,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         headers[name.strip()] = value.strip()
     result = asyncio.run(run_load(args.url.rstrip("/"), args.concurrency, args.requests, args.max_tokens,
                                   args.temperature, headers, args.prompt or list(DEFAULT_PROMPTS), args.warmup))
-    result["command"] = " ".join(["python -m adapt.bench.load", *(argv if argv is not None else sys.argv[1:])])
+    head = "adapt" if sys.argv[1:3] == ["bench", "load"] else "python -m adapt.bench.load"
+    result["command"] = " ".join([head, *sys.argv[1:]])
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -1,8 +1,9 @@
-"""Settings written on a command line as ``KEY=VALUE`` items, for the measurement scripts.
+"""Settings written on a command line as ``KEY=VALUE`` items, for `adapt bench ab` and the
+instruments (adapt/bench/instruments).
 
 A **setting item** is ``KEY=VALUE`` where VALUE is JSON (``2``, ``0.5``, ``true``, ``[1, 2]``) or
 ``@PATH``, the JSON in that file (a table, e.g. an earlier run's ``suffix_accept``). A **variant**
-is ``NAME:ITEM,ITEM,...``: a named set of settings (`scripts/ab_settings.py`).
+is ``NAME:ITEM,ITEM,...``: a named set of settings (`adapt bench ab --variant`).
 """
 
 from __future__ import annotations

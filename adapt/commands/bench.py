@@ -1,4 +1,4 @@
-"""`adapt bench {speed,policies,kernels,report}`: benchmarks, each in a module of `adapt.bench`.
+"""`adapt bench NAME`: the benchmarks, each in a module of `adapt.bench` (`BENCHMARKS` names them).
 
 Each benchmark module defines `add_parser(subparsers)` (which sets `run`) and writes JSON plus a plot.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from adapt.commands import optional_module
 
-BENCHMARKS = ("speed", "policies", "kernels", "report")
+BENCHMARKS = ("speed", "policies", "kernels", "ab", "forward_speed", "load", "flood", "report", "startup")
 
 
 def add_parser(subparsers) -> None:

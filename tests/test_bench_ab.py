@@ -1,4 +1,4 @@
-"""scripts/ab_settings.py: the paired ratio, and a live A/B run on the demo pair."""
+"""`adapt bench ab` (adapt/bench/ab.py): the paired ratio, and a live A/B run on the demo pair."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tests.script_loader import load_script
+from adapt.bench import ab
 
 
 def _script():
-    return load_script("ab_settings")
+    return ab
 
 
 def test_paired_ratio_compares_within_a_round():
@@ -63,6 +63,7 @@ def test_ab_run_on_the_demo_pair_writes_rows_with_paired_ratios(tmp_path):
         assert len(r["paired_ratio_rounds"]) == 2 and r["paired_ratio"] > 0
         assert all(set(x["suffix_accept"]) == {"drafts", "ratio"} for x in r["rounds"])
     assert rows[3]["settings"] == {"suffix_vote": False}
+    assert out.with_suffix(".png").stat().st_size > 0  # the plot beside the rows
     assert rows[0]["suffix_accept"] is None and set(rows[2]["suffix_accept"]) == {"drafts", "ratio"}
 
 

@@ -1,7 +1,7 @@
 """A per-step log of the adaptive policy's choices and what each step took, live, beside `ar`.
 
 One interleaved round (adapt/bench/interleave.py) per ``--rounds`` of `ar` and the adaptive policy
-on the mixed workload at ``--load`` requests (the `scripts/ab_settings.py` scenario: 2 x load
+on the mixed workload at ``--load`` requests (the `adapt bench ab` scenario: 2 x load
 requests, 64 ± 50 % tokens, SLA targets from the start-up profile or ``--sla-ms``). For every
 step the adaptive policy decides it records the batch size, the rows drafting by diffusion and by
 suffix copy, their weights and lateness against the batch's, how many rows are behind their
@@ -10,17 +10,17 @@ table's prediction and the decision's ms (EMA). The summary prints tokens per ms
 drafting steps by batch size: where drafting steps earn fewer tokens per ms than plain ones, the
 policy drafts where it should not. Settings of the adaptive policy: ``--set key=value``. With
 ``--baseline suffix`` static suffix drafting runs beside it instead of `ar`, and the same summary
-is printed for its steps (stop 51, load 2: `results/policies-smollm2-51/steps-mixed-l2-suffix.json`).
+is printed for its steps.
 Each adaptive step also records how many rows were offered a suffix draft and their lengths
 (``suffix_offered``, ``suffix_lengths``), each baseline step its batch size and drafting rows
 (``baseline_steps``): per state (how many rows could copy) the two policies' tokens per ms side by
 side. Warm-up runs are not logged. ``--instances``: round r serves its own instance of the
 scenario (`adapt.bench.interleave.scenario_instance`).
 
-    python scripts/step_log.py --load 32 --rounds 1 --sla-ms 39.2 --out /tmp/steps-32.json
+    python -m adapt.bench.instruments.step_log --load 32 --rounds 1 --sla-ms 39.2 --out /tmp/steps-32.json
 
-(stop 49: at 32 requests, drafting steps 0.21 tokens/ms against 0.35 for plain steps before
-`sla_reach`; docs/benchmarks.md.)
+(It showed, at 32 requests, drafting steps earning 0.21 tokens/ms against 0.35 for plain steps,
+which `sla_reach` answers.)
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def summary(steps: list[dict]) -> list[str]:
@@ -59,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="ar", choices=("ar", "suffix"), help="the static policy beside it")
     p.add_argument("--sla-ms", type=float, default=None, help="the tight TPOT target (the loose one is 4x)")
     p.add_argument("--set", action="append", default=[], help="an adaptive setting, key=JSON value")
-    p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[1] / "models/smollm2/policy.json"))
+    p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[3] / "models/smollm2/policy.json"))
     p.add_argument("--instances", action="store_true",
                    help="round r serves its own instance of the scenario (adapt.bench.interleave.scenario_instance)")
     p.add_argument("--out", required=True)

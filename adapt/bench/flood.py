@@ -1,4 +1,4 @@
-"""A request flood against the Ray Serve application (`adapt.serving.deployment.app_builder`).
+"""`adapt bench flood`: a request flood against the Ray Serve application (`adapt.serving.deployment.app_builder`).
 
 Starts a local Ray (``--num-cpus``), Serve's proxy on a free port and the application over a real
 Redis (``--redis-url``, else a ``redis-server`` started here on a free port), then sends
@@ -7,10 +7,12 @@ Redis (``--redis-url``, else a ``redis-server`` started here on a free port), th
 latency of the accepted ones, the peak RSS of this process and every process it started (Ray's
 GCS, raylet, the Serve controller, proxy and replicas), and a request after the flood.
 
-    .venv/bin/python scripts/serve_flood.py --requests 200                  # demo pair, CPU
-    .venv/bin/python scripts/serve_flood.py --decoder-max-ongoing 8 --decoder-max-queued 16 --max-batch 8
+    adapt bench flood --requests 200                  # demo pair, CPU
+    adapt bench flood --decoder-max-ongoing 8 --decoder-max-queued 16 --max-batch 8 --rounds 5
 
-docs/serving.md ("Back-pressure under Ray Serve") has the numbers this printed.
+``--rounds N`` floods N times in a row against the same application, each round's memory growth
+from its own start (a bounded server's later rounds grow ~0). docs/serving.md ("Back-pressure under
+Ray Serve") has the numbers this printed; `python -m adapt.bench.flood` runs the same.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def _free_port() -> int:
@@ -162,8 +164,20 @@ def summary(results: list[dict], wall: float, sampler: RssSampler) -> dict:
     }
 
 
+def add_parser(subparsers) -> None:
+    ap = subparsers.add_parser("flood", help="flood a Ray Serve application it starts: 429s, latency, RSS (JSON lines)",
+                               description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.set_defaults(run=run)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adapt bench flood", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", default=str(ROOT / "models/demo/target"))
     ap.add_argument("--drafter", default=str(ROOT / "models/demo/drafter"))
     ap.add_argument("--redis-url")
@@ -179,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="floods in a row against the same application")
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=300)
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
 
     import httpx
     import ray
@@ -216,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             results = asyncio.run(flood(url, args.requests, args.spread_s, args.max_tokens, args.timeout_s))
             wall = time.perf_counter() - t0
             after = httpx.post(url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=120)
-            print(json.dumps({"round": round_, **vars(args), **summary(results, wall, sampler),
+            options = {k: v for k, v in vars(args).items() if not callable(v)}
+            print(json.dumps({"round": round_, **options, **summary(results, wall, sampler),
                               "after_flood_status": after.status_code}), flush=True)
         sampler.stop_event.set()
         return 0

@@ -1,17 +1,20 @@
-"""A/B of adaptive-policy settings, live through the engine, side by side in one run.
+"""`adapt bench ab`: an A/B of adaptive-policy settings, live through the engine, in one run.
 
 Runs `ar`, `suffix` (``--static`` adds or replaces static configurations, e.g. ``static-4``:
 diffusion drafts of 4 tokens every step) and the adaptive policy with each `--variant` of its settings (and the
 policy file's own settings as `adaptive`) on one pair and workload, at each load, every round in
-a rotated order; a row is its median-goodput round. Example (the stop-17 decision-cadence A/B):
+a rotated order; a row is its median-goodput round. The project keeps a heuristic of the policy
+only where such an A/B shows it helps beyond the noise. Example (does holding decisions pay?):
 
-    python scripts/ab_settings.py --pair demo --workload mixed --loads 1,4,16 --rounds 3 \
-        --policy-file results/policies-demo-mixed-overhead/policy.json \
-        --variant adaptive-hold0:hold_max=0 --out results/policies-demo-mixed-hold/ab.json
+    adapt bench ab --pair smollm2 --workload mixed --loads 1,2,8 --rounds 3 --interleave --compile aot \
+        --policy-file models/smollm2/policy.json --variant nohold:hold_max=0 --out runs/ab/hold.json
+
+It writes the rows as JSON (``--out``) and a plot beside it (same name, ``.png``: goodput per policy
+and load, a dot per round, SLA attainment over each bar).
 
 Round r serves its own instance of the scenario (the prompt list rotated by r times the requests,
-seed r for sampled requests: `adapt.bench.interleave.scenario_instance`), by default since stop 53;
-``--no-instances`` serves the same one every round (every run before stop 52 did).
+seed r for sampled requests: `adapt.bench.interleave.scenario_instance`), so that rounds sample
+the scenario as well as the machine's noise; ``--no-instances`` serves the same one every round.
 
 ``--admission all,sla`` runs every policy under each engine admission mode (workers/admission.py;
 rows named ``NAME+sla``). Every adaptive row (and variant) also gets its **paired ratio**: in each
@@ -32,7 +35,7 @@ start-up profile of that engine (`profile_engine`), as a worker of that config w
 ``--static-variant NAME:base=STATIC,engine.FIELD=value`` runs a static configuration on an engine of
 its own config and counts it among the static configurations every paired ratio takes the best of
 (e.g. ``suffix-pad:base=suffix,engine.aot_pad=true``: static suffix drafting with padded few-token
-calls, stop 55).
+calls).
 
 Goodput, SLA attainment, mean TTFT, the median round's requests (``per_request``), decision ms
 per step, held share (adaptive), the two SLA targets (``sla_ms``: tight and loose, ``--sla-ms``), draft sources and (adaptive) the suffix calibration (mean
@@ -53,10 +56,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from adapt.bench.policies import BASELINES  # noqa: E402  (the static configurations a run may compare with)
-from adapt.bench.settings_text import parse_variant  # noqa: E402
+from adapt.bench.policies import BASELINES  # the static configurations a run may compare with
+from adapt.bench.settings_text import parse_variant
 
 
 STATIC = ("ar", "suffix")  # the default static configurations every adaptive row is compared with
@@ -79,9 +80,15 @@ def paired_ratios(runs: dict[str, list[dict]], name: str, baselines=STATIC) -> l
             for i, r in enumerate(runs[name])]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pair", default="demo", choices=("demo", "smollm2"))
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("ab", help="A/B of adaptive-policy settings against static configurations, live (JSON + plot)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
     p.add_argument("--workload", default="mixed")
     p.add_argument("--policy-file", required=True)
     p.add_argument("--loads", default="1,4,16")
@@ -120,27 +127,42 @@ def main(argv=None) -> int:
     p.add_argument("--instances", action=argparse.BooleanOptionalAction, default=True,
                    help="round r serves its own instance of the scenario: the prompt list rotated by r times the "
                         "requests per round, seed r for the sampled requests' generators "
-                        "(adapt.bench.interleave.scenario_instance; on by default since stop 53; --no-instances: every "
+                        "(adapt.bench.interleave.scenario_instance; --no-instances: every "
                         "round the same instance, so rounds replicate the machine's noise and not the scenario's)")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    p.add_argument("--out", required=True, help="the JSON rows to write (the plot goes beside it, .png)")
+
+
+def main(argv=None) -> int:
+    """`python -m adapt.bench.ab ARGS`: the same as `adapt bench ab ARGS`."""
+    p = argparse.ArgumentParser(prog="adapt bench ab", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def _usage_error(message: str) -> None:
+    """Exit 2 with ``message``, as argparse does for a bad option."""
+    print(f"adapt bench ab: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run(args) -> int:
     baselines = [x.strip() for x in args.static.split(",") if x.strip()]
     if not baselines or any(_static_len(b) is None and b not in BASELINES for b in baselines):
-        p.error(f"--static: names of {', '.join(BASELINES)} or static-K (K drafted tokens), got {args.static!r}")
+        _usage_error(f"--static: names of {', '.join(BASELINES)} or static-K (K drafted tokens), got {args.static!r}")
     if args.sla_ms is not None and not args.sla_ms > 0:
-        p.error(f"--sla-ms must be positive, got {args.sla_ms}")
+        _usage_error(f"--sla-ms must be positive, got {args.sla_ms}")
     try:
         variants = dict(parse_variant(v) for v in args.variant)
         static_variants = dict(parse_variant(v, text_keys=("base",)) for v in args.static_variant)
     except ValueError as e:
-        p.error(str(e))
+        _usage_error(str(e))
     for n, st in static_variants.items():
         bad = [k for k in st if k != "base" and not k.startswith("engine.")]
         if st.get("base") not in BASELINES and _static_len(str(st.get("base"))) is None or bad:
-            p.error(f"--static-variant {n}: base=STATIC (of {', '.join(BASELINES)} or static-K) and engine.FIELD "
+            _usage_error(f"--static-variant {n}: base=STATIC (of {', '.join(BASELINES)} or static-K) and engine.FIELD "
                     f"keys only, got {st}")
     if static_variants and not args.interleave:
-        p.error("--static-variant needs --interleave (a run of its own engine)")
+        _usage_error("--static-variant needs --interleave (a run of its own engine)")
     # engine.FIELD keys: that variant's own engine's config (with --interleave, where each run has one);
     # profile.ARG keys: that variant plans with its own profile of its engine (`profile_engine` ARG)
     engine_settings = {n: {k.partition(".")[2]: v for k, v in st.items() if k.startswith("engine.")}
@@ -152,7 +174,7 @@ def main(argv=None) -> int:
                             for n, st in static_variants.items()})
     baselines += list(static_variants)
     if any(engine_settings.values()) and not args.interleave:
-        p.error("--variant with engine.FIELD settings needs --interleave (a run of its own engine)")
+        _usage_error("--variant with engine.FIELD settings needs --interleave (a run of its own engine)")
 
     import torch
 
@@ -258,7 +280,40 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    """Goodput per policy and load: a bar at each policy's median round, a dot per round, the SLA
+    attainment over each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r["load"] for r in rows})
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(loads) * len(names) ** 0.5), 4))
+    for i, name in enumerate(names):
+        for j, load in enumerate(loads):
+            row = next((r for r in rows if r["policy"] == name and r["load"] == load), None)
+            if row is None:
+                continue
+            x = j + (i - (len(names) - 1) / 2) * width
+            ax.bar(x, row["goodput_tok_s"], width, color=f"C{i % 10}", label=name if j == 0 else None)
+            ax.plot([x] * len(row["goodput_rounds"]), row["goodput_rounds"], "k.", ms=4)
+            ax.text(x, row["goodput_tok_s"], f"{row['sla_attainment']:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(loads)), [str(c) for c in loads])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("goodput (tok/s); SLA attainment above bars")
+    ax.set_title(f"{rows[0]['pair']}, {rows[0]['workload']}: {png.stem}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

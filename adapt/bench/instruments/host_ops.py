@@ -2,26 +2,26 @@
 
 On this CPU a step's host time (everything but the target's and the drafter's compiled programs)
 is about proportional to the small torch operations it runs: right after a model-sized forward
-each costs ~5 µs instead of ~2 in a loop (`scripts/decision_cold.py`), and a faster operation saves
+each costs ~5 µs instead of ~2 in a loop (its caches cold), and a faster operation saves
 little of that; running fewer of them is what shortens the step. This script serves one live run
-of the mixed workload (the `scripts/ab_settings.py` scenario) with one policy, counts every
+of the mixed workload (the `adapt bench ab` scenario) with one policy, counts every
 operation dispatched during its decode steps (a `TorchDispatchMode`; views and `.item()` count
 too) and attributes it to the phase of the step it ran in (the decision maker's calls, drafting,
 verification and its host read, the row state, the step batch, the rest of the step) and, with
 ``--lines``, to the line of our code that called it. Printed and written to ``--out``: operations
 per decode step by phase, and the top lines. Counting slows the run, so its timings are not
-reported; time a change with `scripts/ab_settings.py`. The engine reads a clock that advances
+reported; time a change with `adapt bench ab`. The engine reads a clock that advances
 ``--tick-ms`` per reading instead of the wall clock, and the policy prices steps by its policy
 file's cost tables rather than a start-up profile (``--profile``), so that the run's decisions
 (which read step times, lateness and costs) do not depend on the machine or on the counting's own
 slowness: two versions of the code count the same steps. For the same reason the adaptive policy holds every plain decision it makes
 (``hold_share`` 0: the default compares the decision's own CPU time with a step's, which varies
-from run to run; on SmolLM2 at one request it held them all anyway). Example (stop 53):
+from run to run; on SmolLM2 at one request it held them all anyway). Example:
 
-    python scripts/host_ops.py --pair smollm2 --policy adaptive --load 1 --lines 40 --out results/host-ops-53/adaptive-l1.json
+    python -m adapt.bench.instruments.host_ops --pair smollm2 --policy adaptive --load 1 --lines 40 --out runs/host-ops.json
 
-``--setting KEY=VALUE`` sets an adaptive-policy setting over the policy file's (stop 54 counted
-``span_headroom=2``, the default before it, to compare with stop 53's decisions).
+``--setting KEY=VALUE`` sets an adaptive-policy setting over the policy file's (e.g.
+``span_headroom=2``, to count what a setting's decisions cost).
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 # (attribute path on the engine, method, phase): the calls whose operations each phase counts
 PHASES = (

@@ -14,13 +14,14 @@ that diffusion drafting pays on every other step at its measured rate); where it
 goal, a better choice alone cannot reach the goal, and cheaper diffusion steps (or better
 drafts) must come first.
 
-    python scripts/source_ceiling.py --pair smollm2 --workload mixed --requests 24 --compile aot \\
-        --out results/policies-smollm2-43/ceiling-mixed.json --traces /tmp/ceiling-traces
+    python -m adapt.bench.instruments.source_ceiling --pair smollm2 --workload mixed --requests 24 --compile aot \\
+        --out runs/ceiling-mixed.json --traces /tmp/ceiling-traces
 
 It also reports **what-ifs** of the adaptive policy's decode-time gain (`what_if`): its
 diffusion steps each 1, 2 or 3 ms cheaper, or winning 10–50 % more accepted drafts in the same
 time, everything else as measured. They say what a cheaper drafter or target step, or a better
-drafter, must bring for a goal (stop 57: 1 ms off every diffusion step was worth +4 points).
+drafter, must bring for a goal (on SmolLM2's mixed workload, 1 ms off every diffusion step was
+worth +4 points).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import collections
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KINDS = ("chat", "code", "edit")  # the mixed workload's rotation (adapt/bench/workloads.py)
 

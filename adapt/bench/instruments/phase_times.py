@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per policy, live: `PhaseProbe` around one run of each policy.
 
-Serves SmolLM2's mixed workload (the `scripts/ab_settings.py` scenario) at one load with each
+Serves SmolLM2's mixed workload (the `adapt bench ab` scenario) at one load with each
 policy in turn on one engine, for each scenario instance, and prints milliseconds per decode step
 by phase (`adapt.bench.speed_runners.PhaseProbe`: the drafter's passes, the target forward,
 acceptance, the drafter-context commit, the decision maker's calls, the rest), plus, for the
@@ -12,10 +12,10 @@ step, median step / draft-phase / verify-phase ms; the draft phase runs from the
 the drafts, decisions and the drafter's pass included, the verify phase from there to its end), so
 what a diffusion step costs over a plain one in the same run is read off directly. The runs follow
 one another, so a drift of the machine between them moves their ratio (use
-`scripts/ab_settings.py --interleave` to compare policies); the phases of one run are what it
-shows. Example (stop 54):
+`adapt bench ab --interleave` to compare policies); the phases of one run are what it
+shows. Example:
 
-    python scripts/phase_times.py --policies suffix,adaptive --instances 0,1 --out results/policies-smollm2-54/phases-l1.json
+    python -m adapt.bench.instruments.phase_times --policies suffix,adaptive --instances 0,1 --out runs/phases-l1.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DECISION_PARTS = ("_take_suffix", "_plan_steps", "_verify_drafts")  # AdaptivePolicy methods timed apart
 
@@ -57,7 +55,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(2)
     engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
-    pf = profiled_policy_file(Path(__file__).resolve().parents[1] / "models" / args.pair / "policy.json", engine)
+    pf = profiled_policy_file(Path(__file__).resolve().parents[3] / "models" / args.pair / "policy.json", engine)
     K = engine.block
     mix = evaluation_mix(pf.cost, K, max(args.requests, 2 * args.load))
     grid = tuple(pf.settings.get("steps_grid", (1,)))

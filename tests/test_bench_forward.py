@@ -1,15 +1,15 @@
-"""scripts/forward_widths.py: target forward and drafter pass per width, on the demo pair."""
+"""`adapt bench forward widths`: target forward and drafter pass per width, on the demo pair."""
 
 from __future__ import annotations
 
 import json
 
-from tests.script_loader import load_script
+from adapt.bench import forward_speed
 
 
 def test_forward_widths_times_every_token_count_and_span(tmp_path):
     out = tmp_path / "widths.json"
-    assert load_script("forward_widths").main(["--pair", "demo", "--compile", "off", "--max-tokens", "6",
+    assert forward_speed.main(["widths", "--pair", "demo", "--compile", "off", "--max-tokens", "6",
                                                 "--sweeps", "2", "--context", "32", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert list(result["target_forward_ms"]) == [str(t) for t in range(1, 7)]
@@ -23,12 +23,11 @@ def test_forward_widths_times_the_forward_after_each_context(tmp_path):
     import pytest
 
     out = tmp_path / "contexts.json"
-    script = load_script("forward_widths")
-    assert script.main(["--pair", "demo", "--compile", "off", "--max-tokens", "3", "--sweeps", "2",
+    assert forward_speed.main(["widths", "--pair", "demo", "--compile", "off", "--max-tokens", "3", "--sweeps", "2",
                         "--context", "32", "--contexts", "48,16,48", "--out", str(out)]) == 0
     by_context = json.loads(out.read_text())["target_forward_ms_by_context"]
     assert list(by_context) == ["16", "48"]
     assert all(list(row) == ["1", "2", "3"] and min(row.values()) > 0 for row in by_context.values())
     for bad in ("64,x", "0"):
         with pytest.raises(SystemExit):
-            script.main(["--pair", "demo", "--contexts", bad])
+            forward_speed.main(["widths", "--pair", "demo", "--contexts", bad])
