@@ -204,3 +204,38 @@ def test_cli_pins_hold_under_the_adaptive_policy(capsys, tmp_path):
     assert d["draft_len"].get("4", 0) + d["pin_clamps"]["tokens_left"] == d["steps"]
     assert d["pin_clamps"]["tokens_left"] <= 4 and d["verified"].get("suffix", 0) == 0
     assert st["last_step"]["source"] in ("diffusion", "none")
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive"])
+def test_engine_api_pins_of_each_kind(policy):
+    """The Python engine API (`DecodeKnobs.pin`), with a registry policy deciding: each kind of
+    pin (a draft length alone, a source alone, steps alone, speculation off) holds, and greedy
+    output stays the target's own."""
+    from adapt.controller import build_policy
+    from tests.tiny_models import run_to_completion
+    from workers.engine import Engine, EngineConfig
+    from workers.request import DecodeKnobs, SamplingParams
+
+    engine = Engine(EngineConfig(target=DEMO_TARGET, drafter=DEMO_DRAFTER, dtype="float32", max_batch=8, max_len=256),
+                    decisions=build_policy(policy))
+    pins = {"k2": {"draft_len": 2}, "diffusion": {"source": "diffusion"}, "s3": {"steps": 3},
+            "suffix": {"source": "suffix"}, "none": {"source": "none"}, "policy": {}}
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    knobs = {name: DecodeKnobs.pin(**p) if p else DecodeKnobs(draft_len=engine.block) for name, p in pins.items()}
+    out = run_to_completion(engine, [(name, FIB, params, knobs[name]) for name in pins])
+    assert len({tuple(out[name]) for name in pins}) == 1  # greedy: the target's own tokens, whatever the pins
+    log = {name: _consistent(out[f"{name}:stats"]) for name in pins}
+    for name, p in pins.items():
+        assert log[name]["pins"] == p
+
+    d = log["k2"]  # 2 drafts verified on every step, from whichever source the policy (or the knobs) chose
+    assert d["draft_len"].get("2", 0) + d["pin_clamps"]["tokens_left"] + d["pin_clamps"]["draft"] == d["steps"]
+    assert d["pin_clamps"]["tokens_left"] <= 2 and max(int(k) for k in d["draft_len"]) <= 2
+    d = log["diffusion"]  # diffusion drafts only, on every step with 2 or more tokens left
+    assert d["verified"].get("suffix", 0) == 0 and sum(d["diffusion_steps"].values()) >= d["steps"] - 1
+    d = log["s3"]
+    assert set(d["diffusion_steps"]) == {"3"} and d["diffusion_steps"]["3"] >= d["steps"] - 1
+    assert d["verified"].get("suffix", 0) == 0
+    d = log["suffix"]
+    assert d["verified"].get("diffusion", 0) == 0 and d["diffusion_steps"] == {} and d["verified"]["suffix"] > 0
+    assert out["none:stats"]["verified"] == 0 and log["none"]["source"] == {"none": log["none"]["steps"]}
