@@ -8,7 +8,7 @@ whether it is alive, and replaces one that misses ``..._TIMEOUT_S`` three times 
 
 On a 2-core machine whose cores another process keeps busy, a proxy process needs more than 5 s
 to import Serve and bind its port: Serve killed it three times and ``adapt serve`` ended in
-``ActorDiedError`` after 66 s (issue 61). `SERVE_CONTROLLER_ENV` holds the values such a machine
+``ActorDiedError`` after 66 s. `SERVE_CONTROLLER_ENV` holds the values such a machine
 needs; they reach Serve's controller as its ``runtime_env`` (``controller_options``, where Serve
 reads them: ray/serve/_private/constants.py), and an operator's own environment variable of the
 same name wins. ``deploy/serve_config.yaml`` sets the same under ``controller_options``.
