@@ -131,6 +131,13 @@ class Policy:
         self.steps_decided += 1
         return steps
 
+    def steps_applied(self, steps: torch.Tensor) -> None:
+        """The steps [B] (host) each row drafts with this step, where the engine overrode
+        `choose_steps` for rows whose request pinned knobs (workers/pins.py): `observe` (the cost
+        tables' rows per pass, which rows drafted by diffusion) reads them instead of the answer."""
+        device = self.last_steps.device if self.last_steps is not None else steps.device
+        self.last_steps = steps.to(device=device, dtype=torch.int64)
+
     def draft_span(self, rows, steps: list[int]) -> int:
         """The most drafted tokens any diffusion row may verify this step, asked after
         `choose_steps` (``steps``: its answer, host ints) and before drafting: the engine denoises

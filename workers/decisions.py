@@ -11,7 +11,11 @@ Every engine step asks a `DecisionMaker` twice per row:
    acceptance rule with its parameters, from features of the draft distributions only
    (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
    Not asked on a step where no row drafts (every s = 0): there is nothing to verify;
-and reports the outcome with `observe`. Optionally, between the two, `draft_span(rows, steps)`
+and reports the outcome with `observe`. Where a request pinned knobs (`DecodeKnobs.pinned`,
+workers/pins.py), the engine overrides both answers for its row; it then tells the decision maker
+the steps each row really drafts with through the optional `steps_applied(steps)` ([B] host
+int64), before drafting, so that what it learns in `observe` matches what ran.
+Optionally, between the two, `draft_span(rows, steps)`
 (``steps``: the first answer as host ints): the most drafted tokens any diffusion row may verify
 this step; the engine then denoises only that many positions of the drafter's block (a pass
 over `[anchor, MASK x span]` instead of `[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0
@@ -158,6 +162,7 @@ class DecisionMaker(Protocol):
     def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
     def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
     # optional: def draft_span(self, rows: RowState, steps: list[int]) -> int (module docstring)
+    # optional: def steps_applied(self, steps: torch.Tensor) -> None (pins overrode steps; module docstring)
 
 
 class StaticDecisions:

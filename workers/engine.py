@@ -575,6 +575,8 @@ class Engine:
         else:  # a row without a suffix draft does not draft
             steps = torch.where((steps == SUFFIX) & (rows.suffix_len == 0), 0, steps)
         s_host = steps.tolist()
+        if pins is not None and getattr(self.decisions, "steps_applied", None) is not None:
+            self.decisions.steps_applied(steps)  # what it learns from this step is what ran
         if not any(s_host):  # no row drafts this step
             return self._decode_plain(rows, t0)
         batch = self._batch(rows, steps, s_host, pins)
