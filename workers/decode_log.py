@@ -16,6 +16,7 @@ from kernels.rules import Rule
 from workers.decisions import SUFFIX
 
 CLAMP_REASONS = ("tokens_left", "draft", "block")
+RULE_NAMES = {int(r): r.name for r in Rule}
 
 
 def source_name(steps: int, draft_len: int) -> str:
@@ -23,9 +24,13 @@ def source_name(steps: int, draft_len: int) -> str:
     return "none" if draft_len <= 0 else "suffix" if steps == SUFFIX else "diffusion"
 
 
-def _mode(counts: Counter) -> int:
-    """The most frequent key (ties: the largest); 0 for no counts."""
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else 0
+def _mode(counts: dict, skip_zero: bool = False) -> int:
+    """The most frequent key (ties: the largest; key 0 left out with `skip_zero`); 0 for none."""
+    best, top = 0, 0
+    for key, n in counts.items():
+        if (n > top or (n == top and key > best)) and not (skip_zero and key == 0):
+            best, top = key, n
+    return best
 
 
 class DecodeLog:
@@ -61,26 +66,25 @@ class DecodeLog:
 
     def used(self) -> dict:
         """The summary fields `steps_used`, `draft_len_used`, `source_used`, `rules_used`."""
-        sources = sorted(s for s, n in self.verified.items() if n > 0)
-        verifying = Counter({k: n for k, n in self.draft_len.items() if k > 0})
+        sources = [s for s, n in self.verified.items() if n > 0]
         rule = _mode(self.rules) if self.rules else self.last[2]
-        return {"steps_used": _mode(self.diffusion), "draft_len_used": _mode(verifying),
+        return {"steps_used": _mode(self.diffusion), "draft_len_used": _mode(self.draft_len, skip_zero=True),
                 "source_used": "none" if not sources else sources[0] if len(sources) == 1 else "mixed",
-                "rules_used": Rule(rule).name}
+                "rules_used": RULE_NAMES[rule]}
 
     def last_step(self) -> dict:
         s, k, rule = self.last
-        return {"steps": max(s, 0), "draft_len": k, "source": source_name(s, k), "rule": Rule(rule).name}
+        return {"steps": max(s, 0), "draft_len": k, "source": source_name(s, k), "rule": RULE_NAMES[rule]}
 
     def summary(self) -> dict:
         return {
             "steps": self.steps,
-            "diffusion_steps": {str(s): n for s, n in sorted(self.diffusion.items())},
-            "draft_len": {str(k): n for k, n in sorted(self.draft_len.items())},
-            "source": {src: n for src, n in sorted(self.sources.items())},
-            "rules": {Rule(r).name: n for r, n in sorted(self.rules.items())},
-            "verified": {src: n for src, n in sorted(self.verified.items())},
-            "accepted": {src: self.accepted[src] for src in sorted(self.verified)},
+            "diffusion_steps": {str(s): n for s, n in self.diffusion.items()},
+            "draft_len": {str(k): n for k, n in self.draft_len.items()},
+            "source": dict(self.sources),
+            "rules": {RULE_NAMES[r]: n for r, n in self.rules.items()},
+            "verified": dict(self.verified),
+            "accepted": {src: self.accepted[src] for src in self.verified},
             "pins": dict(self.pins),
             "pin_clamps": {r: self.clamps[r] for r in CLAMP_REASONS},
         }
