@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.decisions import SUFFIX
+from workers.request import PIN_FIELDS
 
 FREE = -9        # RowPins.steps: the decision maker chooses the row's draft source and steps
 DIFFUSION = -2   # RowPins.steps: diffusion drafts, in the decision maker's steps
@@ -70,7 +71,7 @@ def clamp_to_block(knobs, block: int, width: int):
     ``draft_len`` above the widest draft of its source (`block` for diffusion, `width` for
     suffix drafts) set to that bound; ``clamped`` counts them."""
     change = {}
-    if "steps" in knobs.pinned and knobs.steps > max(block, 0) and block > 0:
+    if "steps" in knobs.pinned and 0 < block < knobs.steps:
         change["steps"] = block
     cap = width if knobs.source == "suffix" else (block or width)
     if "draft_len" in knobs.pinned and knobs.draft_len > cap:
@@ -81,7 +82,7 @@ def clamp_to_block(knobs, block: int, width: int):
 def row_pins(knobs, block_clamps: int = 0) -> RowPins:
     """A request's `RowPins` from its (block-clamped) knobs."""
     p = knobs.pinned
-    shown = tuple((name, getattr(knobs, name)) for name in ("steps", "draft_len", "source", "commit_order") if name in p)
+    shown = tuple((name, getattr(knobs, name)) for name in PIN_FIELDS if name in p)
     k = knobs.draft_len if "draft_len" in p else -1
     if k == 0 or ("source" in p and knobs.source == "none"):
         steps, k = 0, 0
