@@ -239,3 +239,15 @@ def test_engine_api_pins_of_each_kind(policy):
     d = log["suffix"]
     assert d["verified"].get("diffusion", 0) == 0 and d["diffusion_steps"] == {} and d["verified"]["suffix"] > 0
     assert out["none:stats"]["verified"] == 0 and log["none"]["source"] == {"none": log["none"]["steps"]}
+
+
+def test_bad_pins_name_the_field(demo_server):
+    from workers.request import DecodeKnobs, EngineInputError
+
+    url, _ = demo_server
+    for decode, param in (({"draft_len": 65}, "decode.draft_len"), ({"source": "copy"}, "decode.source"),
+                          ({"steps": -1}, "decode.steps"), ({"rule": "GREEDY"}, "decode.rule")):
+        r = httpx.post(url + "/v1/completions", json={"prompt": FIB, "max_tokens": 2, "decode": decode}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (decode, r.text)
+    with pytest.raises(EngineInputError, match="pinned"):
+        DecodeKnobs(pinned={"quality"})
