@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
     p.add_argument("--workload", default="mixed")
-    p.add_argument("--policy-file", default="models/smollm2/policy.json")
+    p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[3] / "models/smollm2/policy.json"))
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--length-spread", type=float, default=0.5)
