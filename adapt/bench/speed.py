@@ -6,7 +6,7 @@
 
 Models: `--pair NAME` (workers/pairs.py: `smollm2`, the default, or `demo`); `--target` /
 `--drafter` override the pair's (`--drafter none`: no drafter; rows that need one are skipped).
-Prompts: `--workload chat|code|edit|mixed` (adapt/bench/workloads.py), or `--prompts FILE`, JSON Lines of `{"prompt": "text"}` or `{"messages": [{"role": ..., "content":
+Prompts: `--workload chat|code|edit|longdoc|longdoc-chat|mixed` (adapt/bench/workloads.py), or `--prompts FILE`, JSON Lines of `{"prompt": "text"}` or `{"messages": [{"role": ..., "content":
 ...}, ...]}` (rendered with the target's chat template), or a JSON list of strings; text is
 tokenized without special tokens. Every row gets the same prompt token ids.
 
@@ -69,6 +69,7 @@ import sys
 import time
 from pathlib import Path
 
+from adapt.bench.workloads import WORKLOADS
 from adapt.commands import add_pair_arguments
 from workers.request import COMPILE_CHOICES
 
@@ -107,7 +108,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", type=Path, default=None,
                    help='JSON Lines of {"prompt": TEXT} or {"messages": [...]} (chat template), or a JSON list of '
                         "strings (default: windows of the held-out stdlib files)")
-    p.add_argument("--workload", default=None, choices=("chat", "code", "edit", "mixed"),
+    p.add_argument("--workload", default=None, choices=WORKLOADS,
                    help="prompts of a built-in workload (adapt/bench/workloads.py) instead of --prompts")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per measurement (default: the largest batch size)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per default prompt (default 256)")

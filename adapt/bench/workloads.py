@@ -9,6 +9,11 @@ Words used here:
   hints", ...): the answer copies long spans of the prompt, as edit / RAG-style requests do
   (where suffix and n-gram drafts win).
 - **mixed**: the three in turn, in one run.
+- **longdoc**: a long document (the docstrings of held-out stdlib modules, at least
+  `LONGDOC_MIN_CHARS` characters: ≥ 1,500 SmolLM2 tokens) and a request to summarise it: the
+  answer is new text about a long context, where drafts are accepted least (vLLM #52258).
+- **longdoc-chat**: longdoc and chat prompts in turn, in one run (reported per class by the
+  prompts' ``workload``).
 
 Every prompt is one user message for the target's chat template (`{"messages": [...]}` JSON
 Lines, the format of `adapt bench speed --prompts FILE`), built from functions of the stdlib
@@ -27,7 +32,11 @@ import random
 import textwrap
 from pathlib import Path
 
-WORKLOADS = ("chat", "code", "edit", "mixed")
+WORKLOADS = ("chat", "code", "edit", "longdoc", "longdoc-chat", "mixed")
+# characters of documentation in a longdoc prompt: SmolLM2's tokenizer reads the stdlib's
+# docstrings at 3.4–4.1 characters a token, so 6,500 characters are ≥ 1,500 tokens with a margin
+LONGDOC_MIN_CHARS = 6500
+LONGDOC_PART_CHARS = 1200  # one docstring's share at most (a document stays under ~2,300 tokens)
 MIN_LINES, MAX_LINES = 6, 28  # function sizes used by code and edit prompts
 
 
@@ -78,6 +87,38 @@ def _chat(split: str, count: int, seed: int) -> tuple:
     return tuple(make_prompts(split, count, seed=seed))
 
 
+@functools.lru_cache(maxsize=4)
+def _documents(seed: int, split: str = "heldout", min_chars: int = LONGDOC_MIN_CHARS) -> tuple[str, ...]:
+    """Documents of ``min_chars`` to ``min_chars + LONGDOC_PART_CHARS`` characters: the module,
+    class and function docstrings of `split`'s stdlib files (each cut to `LONGDOC_PART_CHARS`),
+    each under a heading naming it, one file after another in a seeded order."""
+    from workers.training.chat_prompts import parsed_files
+
+    files = [(path, tree) for path, _, tree in parsed_files(split)]
+    random.Random(seed).shuffle(files)
+    docs, current, size = [], [], 0
+    for path, tree in files:
+        seen = set()
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and (doc := ast.get_docstring(node)):
+                doc = doc.strip()[:LONGDOC_PART_CHARS]
+                if doc in seen:
+                    continue
+                seen.add(doc)
+                name = path.stem if isinstance(node, ast.Module) else f"{path.stem}.{node.name}"
+                current.append(f"{name}:\n{doc}")
+                size += len(current[-1]) + 2
+                if size >= min_chars:
+                    docs.append("\n\n".join(current))
+                    current, size = [], 0
+    return tuple(docs)
+
+
+def longdoc_instruction(document: str) -> str:
+    return (f"Here is the documentation of some Python modules:\n\n{document}\n\n"
+            "Summarize what these modules do in one short paragraph.")
+
+
 def make_workload(name: str, count: int, seed: int = 0, split: str = "heldout") -> list[dict]:
     """`count` prompts of workload `name` as `{"messages": [...], "workload": kind}` dicts, from the
     stdlib files of `split` ('heldout' for benchmarks; 'train' for fitting, e.g. adapt/suffix_fit.py)."""
@@ -86,8 +127,17 @@ def make_workload(name: str, count: int, seed: int = 0, split: str = "heldout") 
     if name == "mixed":
         parts = {k: make_workload(k, (count + 2) // 3, seed, split) for k in ("chat", "code", "edit")}
         return [parts[k][i // 3] for i, k in zip(range(count), ("chat", "code", "edit") * count)]
+    if name == "longdoc-chat":
+        parts = {k: make_workload(k, (count + 1) // 2, seed, split) for k in ("longdoc", "chat")}
+        return [parts[k][i // 2] for i, k in zip(range(count), ("longdoc", "chat") * count)]
     if name == "chat":
         return [{"messages": m, "workload": "chat"} for m in _chat(split, count, seed)]
+    if name == "longdoc":
+        docs = _documents(seed, split)
+        if not docs:
+            raise ValueError(f"workload: no stdlib documentation found in the {split} split")
+        return [{"messages": [{"role": "user", "content": longdoc_instruction(docs[i % len(docs)])}],
+                 "workload": "longdoc"} for i in range(count)]
     rng = random.Random(seed)
     funcs = _functions(seed, split)
     if not funcs:
