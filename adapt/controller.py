@@ -5,7 +5,8 @@ with the predictor and cost model of a policy file (`adapt.policy_file`) injecte
 file apply first and keyword settings override them. `reload(decision_maker, policy)` swaps a new
 policy version in between steps (what `adapt policy push` triggers on every worker).
 A file's settings are checked against its policy's settings model (`SETTINGS`, pydantic): an
-unknown or ill-typed setting is an error that names it, never dropped.
+unknown, ill-typed or out-of-range setting is an error that names it, never dropped; a setting
+deleted as measured no better (`policies.adaptive_settings.REMOVED`) is dropped with a warning.
 `profile_engine(engine)` times the engine's own target forward and drafter pass on a grid when a
 worker starts and returns a `CostModel` (DSpark's SPS(B) table, per token count and per row
 count); the policy then keeps correcting it online from measured steps.
@@ -26,13 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, PolicyFileError, load
+from policies.adaptive_settings import AdaptiveSettings, drop_removed
 from workers.decisions import StaticDecisions
 
 
 # -- the settings a policy file may carry ----------------------------------------------------------
 # One pydantic model per policy: its field names are the settings the policy takes from a file's
-# "settings", their types what JSON must hold (strict: no "2" for 2, no 1 for true). Ranges are
-# left to the policy classes. `Field(default=None)` only marks a setting optional: values are
+# "settings", their types what JSON must hold (strict: no "2" for 2, no 1 for true). The adaptive
+# policy's is its own model (`policies.adaptive_settings`, ranges included: its constructor, a
+# policy file and `adapt policy set` read the same one); the others' ranges are left to the classes. `Field(default=None)` only marks a setting optional: values are
 # taken with ``exclude_unset``, so an absent setting keeps the policy's own default.
 class _Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -56,55 +59,6 @@ class BatchScheduleSettings(_Settings):
 class DSparkSettings(_Settings):
     steps: int = Field(default=None)
     stop: Literal["first_drop", "argmax"] = Field(default=None)
-
-
-class SuffixAcceptTable(BaseModel):
-    """Acceptance of suffix drafts by match length: each later token's (`accept`) and, optionally,
-    the first token's (`first`), a scale per bucket of vote shares (`vote`, `vote_scale`) and,
-    optionally, a table of the same form for sampled rows (`sampled`)
-    (policies.adaptive.check_suffix_accept)."""
-
-    model_config = ConfigDict(extra="forbid")
-    match: list[int]
-    accept: list[float]
-    first: list[float] | None = None
-    vote: list[float] | None = None
-    vote_scale: list[float] | None = None
-    sampled: SuffixAcceptTable | None = None  # the table for sampled rows (T > 0); the outer one is then greedy rows'
-
-
-class AdaptiveSettings(_Settings):
-    steps_grid: _Ints = Field(default=None)
-    allow_no_draft: bool = Field(default=None)
-    sla_weight: float = Field(default=None)
-    sla_slack: float = Field(default=None)
-    priority_weight: float = Field(default=None)
-    flat_share: float = Field(default=None)
-    replan_every: int = Field(default=None)
-    idle_decay: float = Field(default=None)
-    no_draft_margin: float = Field(default=None)
-    use_suffix: bool = Field(default=None)
-    suffix_margin: float = Field(default=None)
-    suffix_first: bool = Field(default=None)
-    copies_save: bool = Field(default=None)
-    copies_drop: bool = Field(default=None)
-    suffix_accept: SuffixAcceptTable = Field(default=None)
-    suffix_vote: bool = Field(default=None)
-    suffix_recalibrate: bool = Field(default=None)
-    suffix_per_request: bool = Field(default=None)
-    diffusion_recalibrate: bool = Field(default=None)
-    overhead_by_source: bool = Field(default=None)
-    draft_credit: bool = Field(default=None)
-    hold_max: int = Field(default=None)
-    hold_share: float = Field(default=None)
-    hold_joins_rows: int | None = Field(default=None, ge=1)
-    sla_guard: bool = Field(default=None)
-    sla_clock: Literal["wall", "decode"] = Field(default=None)
-    sla_guard_behind: bool = Field(default=None)
-    sla_guard_behind_rows: int = Field(default=None, ge=1)
-    sla_guard_plan: bool = Field(default=None)
-    sla_reach: bool = Field(default=None)
-    overhead_scales: bool = Field(default=None)
 
 
 class ExploreSettings(_Settings):
@@ -136,6 +90,8 @@ def validate_settings(policy: str, settings: dict) -> dict:
             raise PolicyFileError(f"policy.settings.{sorted(settings)[0]}: unknown setting (policy {policy!r} "
                                   "takes no settings from a policy file)")
         return {}
+    if model is AdaptiveSettings:  # settings deleted as measured no better: a warning, not an error
+        settings = drop_removed(settings)
     try:
         return model.model_validate(settings).model_dump(exclude_unset=True)
     except ValidationError as exc:

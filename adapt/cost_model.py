@@ -47,10 +47,8 @@ OVERHEAD_SHARE = 0.5  # share of a measured step's residual that online correcti
 RESIDUAL_BOUND = 1.0
 # Steps after which an online estimate that no measurement has touched is *stale*: a table point's
 # rise over its value as built (profiled or loaded) is then halved, and again after as many more
-# steps (`Table.relax_stale`; the adaptive policy does the same to its residual EMAs). Points are
-# moved only by steps that visit them, so a rise learned in a slow spell on drafting steps (the
-# draft table, the verify table past one token) would otherwise price drafting out for good.
-STALE_STEPS = 128
+# steps (`Table.relax_stale`); defined with the policies that share it (`policies.common`).
+from policies.common import STALE_STEPS  # noqa: E402
 
 
 class Table:

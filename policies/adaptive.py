@@ -91,10 +91,10 @@ import time
 
 import torch
 
-from adapt.cost_model import STALE_STEPS
 from kernels.rules import Rule
+from policies.adaptive_settings import AdaptiveSettings, check_settings
 from policies.base import Policy, make_verify_decision, no_draft_decision, outcome_ms, rows_per_pass
-from policies.common import lenient_eps
+from policies.common import STALE_STEPS, lenient_eps
 from policies.greedy import greedy_prefix
 from policies.static import rules_from
 
@@ -102,7 +102,6 @@ from policies.static import rules_from
 SUFFIX_DECAY = 0.98   # per drafting step: the recalibration forgets over ~50 such steps
 SUFFIX_PRIOR = 8.0    # tokens at ratio 1 before any suffix draft is seen
 SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (half-life ~140 steps)
-SUFFIX_ROW_PRIOR = 4.0  # tokens at the global ratio before a request's own suffix drafts count
 DIFFUSION_DECAY = 0.98  # per step with diffusion drafts: the plan's recalibration forgets over ~50 of them
 DIFFUSION_PRIOR = 8.0   # tokens at ratio 1 before any diffusion draft is seen
 DIFFUSION_IDLE_DECAY = 0.995  # per step without diffusion drafts: the evidence fades back to ratio 1
@@ -111,91 +110,34 @@ DIFFUSION_IDLE_DECAY = 0.995  # per step without diffusion drafts: the evidence 
 class AdaptivePolicy(Policy):
     name = "adaptive"
 
-    def __init__(self, steps_grid=(1, 2), allow_no_draft: bool = True, sla_weight: float = 2.0,
-                 sla_slack: float = 0.9, priority_weight: float = 0.1, flat_share: float = 0.1,
-                 replan_every: int = 16, idle_decay: float = 0.85, no_draft_margin: float = 0.05,
-                 use_suffix: bool = True, suffix_accept: dict | None = None, suffix_margin: float = 0.0,
-                 suffix_first: bool = False, copies_save: bool = False, copies_drop: bool = False,
-                 hold_max: int = 8, hold_share: float = 0.05, hold_joins_rows: int | None = 8,
-                 sla_guard: bool = True, sla_clock: str = "wall",
-                 sla_guard_behind: bool = True, sla_guard_behind_rows: int = 3, sla_guard_plan: bool = False,
-                 sla_reach: bool = True, overhead_scales: bool = True,
-                 suffix_vote: bool = True, suffix_recalibrate: bool = True, suffix_per_request: bool = False,
-                 diffusion_recalibrate: bool = True, overhead_by_source: bool = False, draft_credit: bool = True,
-                 span_headroom: int | None = 1, closed_weight: float = 0.3, closed_model: str = "time", **kwargs):
+    def __init__(self, settings: AdaptiveSettings | None = None, **kwargs):
+        """``settings`` (an `AdaptiveSettings`) and/or its fields as keywords (which override
+        it); the other keywords are `Policy`'s (predictor, cost, block_size, online_cost). A bad
+        setting is a `ValueError` naming it."""
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in AdaptiveSettings.model_fields}
         super().__init__(**kwargs)
-        if not 0.0 <= closed_weight <= 1.0:
-            raise ValueError(f"closed_weight: must be in [0, 1], got {closed_weight!r}")
-        self.closed_weight = float(closed_weight)
-        if closed_model not in ("weight", "time"):
-            raise ValueError(f"closed_model: must be 'weight' or 'time', got {closed_model!r}")
-        self.closed_model = closed_model
-        if span_headroom is not None and (not isinstance(span_headroom, int) or span_headroom < 0):
-            raise ValueError(f"span_headroom: must be an integer >= 0 or null, got {span_headroom!r}")
-        self.span_headroom = span_headroom
+        base = settings.model_dump() if settings is not None else {}
+        self.settings = check_settings({**base, **own})
+        self._apply(self.settings)
         self.typical_span: float | None = None  # EMA of the spans answered (`_span`): what drafting costs now
         self._span_now: int | None = None  # this step's span (None: not asked, the whole block)
         self._flat_now: bool | None = None  # whether this step verifies every drafted slot, as `_span` found (None: not asked)
-        self.sla_guard = bool(sla_guard)
-        # with `sla_guard_behind`, rows already behind their target veto candidates that lower
-        # their own expected tokens per ms (`keeps_targets`), in batches of at least
-        # `sla_guard_behind_rows` rows (`_behind_veto`: in a smaller batch a copy widens the step
-        # little, and declining it costs its own row's tokens); with `sla_guard_plan`, the
-        # diffusion plan is held to the same guard as suffix choices (`_plan_keeps`)
-        self.sla_guard_behind, self.sla_guard_plan = bool(sla_guard_behind), bool(sla_guard_plan)
-        if not isinstance(sla_guard_behind_rows, int) or sla_guard_behind_rows < 1:
-            raise ValueError(f"sla_guard_behind_rows: must be an integer >= 1, got {sla_guard_behind_rows!r}")
-        self.sla_guard_behind_rows = sla_guard_behind_rows
-        # with `sla_reach`, a row's lateness raises its weight only while its target is within reach
-        # (`_reachable`); ``_reach``: (request ids, [B] bool) of the latest plan
-        self.sla_reach = bool(sla_reach)
+        # ``_reach``: (request ids, [B] bool) of the latest plan (`_reachable`)
         self._reach = None
-        # a batch size whose drafting steps were never seen borrows a smaller bucket's extra cost
-        # scaled by the ratio of rows (`draft_overhead_at`)
-        self.overhead_scales = bool(overhead_scales)
-        self.sla_clock = sla_clock
-        if not isinstance(hold_max, int) or hold_max < 0:
-            raise ValueError(f"hold_max: must be an integer >= 0, got {hold_max!r}")
-        if not 0.0 <= hold_share <= 1.0:
-            raise ValueError(f"hold_share: must be in [0, 1], got {hold_share!r}")
-        self.hold_max, self.hold_share = hold_max, float(hold_share)
-        # a hold survives requests leaving the batch, and requests joining it where the batch has
-        # at least `hold_joins_rows` rows (None: never)
-        if hold_joins_rows is not None and (not isinstance(hold_joins_rows, int) or hold_joins_rows < 1):
-            raise ValueError(f"hold_joins_rows: must be an integer >= 1 or null, got {hold_joins_rows!r}")
-        self.hold_joins_rows = hold_joins_rows
         # EMAs of a full decision's host time (ms) and of a plain step's time (ms): holding pays
         # only where deciding is a noticeable share of a step
         self.decide_ms: float | None = None
         self.plain_ms: float | None = None
         self._hold_key, self._hold_left, self._plain_run = frozenset(), 0, 0  # see "Decision cadence" above
         self.held_steps = 0
-        self.use_suffix = bool(use_suffix)
-        if suffix_margin < 0:
-            raise ValueError(f"suffix_margin: must be >= 0, got {suffix_margin!r}")
-        self.suffix_margin = float(suffix_margin)
-        if not isinstance(suffix_first, bool):
-            raise ValueError(f"suffix_first: must be true or false, got {suffix_first!r}")
-        self.suffix_first = suffix_first  # every row with a suffix draft takes all of it (`_take_suffix`)
-        # a row may switch from its diffusion plan to a copy that wins fewer tokens but costs less
-        self.copies_save = bool(copies_save)
-        # a step whose copies are taken may also drop the diffusion drafts of the other rows (no
-        # drafter pass): each choice of copies comes a second time with them plain
-        self.copies_drop = bool(copies_drop)
-        self.suffix_accept = check_suffix_accept(suffix_accept)
-        self.suffix_vote = bool(suffix_vote)  # read the drafts' vote shares (with the table's vote_scale)
         # online recalibration of suffix acceptance (see `suffix_accept_ratio`): decayed sums of the
         # tokens the taken suffix drafts won and of what the table predicted they would
-        self.suffix_recalibrate = bool(suffix_recalibrate)
-        self.suffix_per_request = bool(suffix_per_request)  # each request's own drafts move its ratio too
         self.suffix_won, self.suffix_predicted, self.suffix_drafts = 0.0, 0.0, 0
         self._suffix_expect = None  # [B] this step's table-predicted accepted tokens per suffix row (0: none)
         self._suffix_k = None  # [B] this step's suffix draft lengths (0 = the row does not take its suffix draft)
         # online recalibration of the plan's diffusion acceptance (see `diffusion_accept_ratio`):
         # decayed sums, per temperature class (greedy, sampled) and step count of `steps_grid`
         # ([2, S]), of the tokens diffusion drafts won and of what the plan's prior predicted they would
-        self.diffusion_recalibrate = bool(diffusion_recalibrate)
-        self.draft_credit = bool(draft_credit)  # a negative drafting extra credits diffusion plans (`draft_overhead_at`)
         self.diffusion_won = self.diffusion_predicted = None  # 2 · S host floats, made at first use
         self.diffusion_drafts = 0
         self._diffusion_expect = None  # ([B] prior-predicted extra tokens per diffusion row (0: none), [B] grid index)
@@ -210,36 +152,30 @@ class AdaptivePolicy(Policy):
         self._residual_recent: dict[tuple[str, int], list[float]] = {}  # key -> its last 3 raw residuals
         self._residual_seen: dict[tuple[str, int], int] = {}  # key -> `_observed` when last updated (or halved)
         self._observed = 0  # steps observed
-        # price each source's steps by their own residual ("diffusion" / "suffix"), or (the
-        # default) both by the residual of every drafting step ("draft")
-        self.overhead_by_source = bool(overhead_by_source)
         self._batch = 1  # rows of the latest step observed
         self._source_of = None  # (outcome, its `_step_source`) of the latest step observed
         self._suffix_pred = None  # (table ms, widened?, fixed drafting ms charged, predicted ms) of this step's choice
         # per (plan | wide, batch bucket): [steps, Σ predicted ms, Σ measured ms] of suffix choices
         self.suffix_calibration: dict[tuple[str, int], list[float]] = {}
-        grid = sorted({int(s) for s in steps_grid})
-        if not grid or grid[0] < 1:
-            raise ValueError(f"steps_grid: expected step counts >= 1, got {steps_grid!r}")
-        if sla_weight < 0 or priority_weight < 0:
-            raise ValueError("sla_weight/priority_weight: must be >= 0")
-        self.steps_grid = tuple(grid)
-        self.allow_no_draft = bool(allow_no_draft)
-        self.flat_share = float(flat_share)
-        if not isinstance(replan_every, int) or replan_every < 1:
-            raise ValueError(f"replan_every: must be an integer >= 1, got {replan_every!r}")
-        self.replan_every = replan_every
         self._plan = None
-        self.sla_weight, self.sla_slack, self.priority_weight = float(sla_weight), float(sla_slack), float(priority_weight)
-        if not 0.0 <= idle_decay <= 1.0:
-            raise ValueError(f"idle_decay: must be in [0, 1], got {idle_decay!r}")
-        self.idle_decay = float(idle_decay)
-        if no_draft_margin < 0:
-            raise ValueError(f"no_draft_margin: must be >= 0, got {no_draft_margin!r}")
-        self.no_draft_margin = float(no_draft_margin)
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
         self.threshold = torch.tensor(0.0)
+
+    def _apply(self, settings: AdaptiveSettings) -> None:
+        """Each setting as an attribute of the same name (``steps_grid`` sorted, without repeats;
+        ``sla_clock`` into the request book)."""
+        for name in AdaptiveSettings.model_fields:
+            setattr(self, name, getattr(settings, name))
+        self.steps_grid = tuple(sorted(set(settings.steps_grid)))
+
+    def update(self, predictor=None, cost=None, **settings) -> None:
+        """`Policy.update`, the policy's settings validated together (`check_settings`)."""
+        own = {k: settings.pop(k) for k in list(settings) if k in AdaptiveSettings.model_fields}
+        if own:
+            self.settings = check_settings({**self.settings.model_dump(), **own})
+            self._apply(self.settings)
+        super().update(predictor, cost, **settings)
 
     @property
     def sla_clock(self) -> str:
@@ -506,19 +442,7 @@ class AdaptivePolicy(Policy):
         that maximises the batch's weighted tokens per ms
         ``(E_plan + Σ_{r switching} w_r · (win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
         diffusion row that switches no longer pays its drafter passes). Only rows whose copy wins
-        more than their plan (``win_r > extra_r``) switch. With ``copies_save`` (off by default)
-        each candidate comes a second time with every row it gives slots switching, so
-        that a copy which wins fewer tokens than a row's diffusion draft but costs less (no drafter
-        pass) can be chosen: at 2 requests on SmolLM2's mixed workload it took copies on 33–36 %
-        of steps instead of 26 % and measured 0.967× / 0.937× static suffix drafting against
-        0.982× / 0.970× without it (two interleaved runs); 1.093× against 1.090× at one request.
-        With ``copies_drop`` (off by default) each candidate in which some row takes its
-        copy while others keep diffusion drafts comes a second time with those others plain (their
-        planned extra tokens lost, no drafter pass): at 2 requests a step whose copy row sat beside
-        a plain row earned more per ms than one beside a diffusing row (0.16–0.22 against
-        0.14–0.18 tokens per ms for copies of 3 or more tokens, `adapt.bench.instruments.step_log`), but live
-        the option measured 0.950× static suffix drafting against 0.966× without it (one
-        interleaved run, three rounds).
+        more than their plan (``win_r > extra_r``) switch.
 
         With ``suffix_first`` every row that has a suffix draft takes the whole of it, whatever its
         plan (static suffix drafting's choice, kept where the suffix drafter has nothing)."""
@@ -545,28 +469,13 @@ class AdaptivePolicy(Policy):
         k = suffix_candidates(n, w[:, None] * slot, packed)                            # [B, C] draft length per candidate
         expect = win.gather(1, k)                                                      # [B, C] expected accepted
         over = expect - extra.clamp(min=0)[:, None]                                    # [B, C] (inf plan: -inf)
-        # rows switch to their copy only where it wins more than their plan; with `copies_save`
-        # each candidate again with every row it gives slots switching (a copy may win fewer
-        # tokens than a diffusion draft and still pay by the drafter passes it saves)
+        # rows switch to their copy only where it wins more than their plan
         take = w[:, None] * over > 0                                                   # [B, C] takes its suffix draft
-        if self.copies_save:
-            take = torch.cat([take, (k > 0) & torch.isfinite(over) & (w[:, None] > 0)], 1)  # [B, 2C]
-            k, expect, over = torch.cat([k, k], 1), torch.cat([expect, expect], 1), torch.cat([over, over], 1)
         plan_extra = extra.clamp(min=0).nan_to_num(posinf=0.0)                          # [B] the plan's extra tokens
         diffusing = steps > 0
         stay = diffusing[:, None] & ~take                                              # [B, C] keeps its diffusion draft
-        dropped = None                                                                 # [B, C] plan dropped: plain
-        if self.copies_drop:  # each choice of copies again with the rest of the plan dropped (no drafter pass)
-            twins = (take.any(0) & stay.any(0)).nonzero().squeeze(1)                   # [C2] candidates
-            if twins.numel():
-                k, take, expect, over = (torch.cat([t, t[:, twins]], 1) for t in (k, take, expect, over))
-                dropped = torch.cat([torch.zeros_like(stay), stay[:, twins]], 1)
-                stay = torch.cat([stay, torch.zeros_like(stay[:, twins])], 1)
         gain = torch.where(take, w[:, None] * over, 0.0)                               # [B, C] (< 0: fewer tokens)
         kept_extra = plan_extra[:, None]                                               # [B, C] the plan's extra tokens kept
-        if dropped is not None:  # a dropped row's plan is lost
-            gain = gain - torch.where(dropped, w[:, None] * plan_extra[:, None], 0.0)
-            kept_extra = torch.where(dropped, 0.0, kept_extra)
         verified, raw = self._candidate_ms(steps, diffusing, toks, k, take, stay, packed)  # [C] positions, [C] ms
         wide = verified > verified[0]
         ratio = self.suffix_cost_ratio
@@ -593,16 +502,13 @@ class AdaptivePolicy(Policy):
         self._suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
         table_win = torch.cat([torch.zeros(B, 1), by_table.cumsum(1)], 1).gather(1, self._suffix_k[:, None])[:, 0]
         self._suffix_expect = torch.where(take[:, best], table_win, 0.0)               # [B] before recalibration
-        if dropped is not None:
-            steps = torch.where(dropped[:, best], 0, steps)
         return torch.where(take[:, best], SUFFIX, steps)
 
     def _copy_may_win(self, w: torch.Tensor, win: torch.Tensor, extra: torch.Tensor) -> bool:
         """Whether some candidate of `_take_suffix` may take a suffix draft: a row whose whole
         copy (``win`` [B, Ks + 1], its last column) is expected to win more than its plan's extra
-        tokens (``extra`` [B]) and whose tokens count (``w`` [B] > 0); always with ``copies_save``
-        (a copy that wins fewer tokens may be taken)."""
-        return self.copies_save or bool(((w > 0) & (win[:, -1] > extra.clamp(min=0))).any())
+        tokens (``extra`` [B]) and whose tokens count (``w`` [B] > 0)."""
+        return bool(((w > 0) & (win[:, -1] > extra.clamp(min=0))).any())
 
     def _candidate_ms(self, steps, diffusing, toks, k, take, stay, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """([C] verified positions, [C] table ms) of `_take_suffix`'s candidate steps: steps [B] the
@@ -650,40 +556,24 @@ class AdaptivePolicy(Policy):
 
     def suffix_row_ratio(self, ctx) -> torch.Tensor:
         """[B] the recalibration each row's suffix slots get: `suffix_accept_ratio` (every
-        request's drafts), and with ``suffix_per_request`` the row's own evidence on top,
-        ``(won_r + P · g) / (predicted_r + P)`` clipped to [0.25, 2] (``g`` the global ratio, ``P``
-        = `SUFFIX_ROW_PRIOR` tokens, the row's sums decayed like the global ones,
-        `RequestBook.observe_suffix`). Requests differ more than prompts of one kind do: on the
-        mixed workload an edit answer's copies run on where a chat answer's rarely do, and one
-        global ratio carried from request to request prices the next one by the last ones. Off by
-        default: in interleaved runs on SmolLM2's mixed workload it measured no gain
-        (docs/benchmarks.md)."""
-        g = self.suffix_accept_ratio
-        won = ctx["suffix_won"].cpu()                                                  # [B]
-        if not (self.suffix_recalibrate and self.suffix_per_request):
-            return torch.full_like(won, g)
-        r = (won + SUFFIX_ROW_PRIOR * g) / (ctx["suffix_predicted"].cpu() + SUFFIX_ROW_PRIOR)
-        return r.clamp(0.25, 2.0)
+        request's drafts; a ratio per request measured no gain in interleaved runs,
+        docs/benchmarks.md)."""
+        return torch.full_like(ctx["suffix_won"].cpu(), self.suffix_accept_ratio)
 
     def _learn_suffix_accept(self, rows, outcome) -> None:
         """Add this step's suffix rows' accepted and table-predicted tokens to the decayed sums
-        (the policy's and each request's)."""
+        (decayed: old evidence fades)."""
         expect, self._suffix_expect = self._suffix_expect, None
         B = len(outcome.accepted)
         taken = None if expect is None or B != len(expect) else expect > 0
         if taken is None or not bool(taken.any()):  # forget slowly: the ratio drifts back to 1, so drafts get retried
             self.suffix_won *= SUFFIX_IDLE_DECAY
             self.suffix_predicted *= SUFFIX_IDLE_DECAY
-            if self.suffix_per_request and B == len(rows.request_ids):
-                none = torch.zeros(B, dtype=torch.bool)
-                self.book.observe_suffix(rows, none, torch.zeros(B), torch.zeros(B), SUFFIX_DECAY, SUFFIX_IDLE_DECAY)
             return
         won = torch.as_tensor(outcome.accepted).cpu().float()                         # [B]
         self.suffix_won = SUFFIX_DECAY * self.suffix_won + float(won[taken].sum())
         self.suffix_predicted = SUFFIX_DECAY * self.suffix_predicted + float(expect[taken].sum())
         self.suffix_drafts += int(taken.sum())
-        if self.suffix_per_request:
-            self.book.observe_suffix(rows, taken, won, expect, SUFFIX_DECAY, SUFFIX_IDLE_DECAY)
 
     @property
     def diffusion_accept_ratio(self) -> torch.Tensor:
@@ -751,12 +641,9 @@ class AdaptivePolicy(Policy):
         Per batch size, because it grows with the batch: on SmolLM2 on a 2-core CPU without
         native bf16 one row verifying 2 drafts added ~1 ms to a 1-row step and
         ~45–80 ms to an 8-row one, which the verify table, indexed by positions only, does not
-        see. With ``overhead_by_source`` (off by default) per source, since the tables miss
-        different things for each (a suffix step verifies one row's long copy, a diffusion step
-        pays drafter passes and short drafts on many rows); else one estimate over every drafting
-        step ("draft") prices both. Per source measured worse live at 2 and 8 requests
-        (docs/controller.md: at 8 rows the combined estimate, which diffusion steps make dear,
-        kept copies from widening the batch).
+        see. One estimate over every drafting step ("draft") prices both sources: one per source
+        measured worse live at 2 and 8 requests (at 8 rows the combined estimate, which diffusion
+        steps make dear, kept copies from widening the batch; docs/benchmarks.md).
 
         A **credit** (``credit``, default ``draft_credit``, on): where drafting steps ran *under*
         the tables by more than plain steps did, diffusion plans get the difference back as a
@@ -768,7 +655,7 @@ class AdaptivePolicy(Policy):
         fades as they catch up. Suffix steps get none (they run no drafter pass to overprice)."""
         res = self.step_residual
         credit = self.draft_credit if credit is None else credit
-        key = source if self.overhead_by_source else "draft"
+        key = "draft"
         both = [b for (kind, b) in res if kind == key and ("plain", b) in res]
         if not both:
             return 0.0

@@ -19,6 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+# Steps after which an online estimate that no measurement has touched is *stale*: a rise it
+# learned is then halved, and again after as many more steps (the adaptive policy's residual
+# EMAs; `adapt.cost_model.Table.relax_stale` uses the same horizon). Estimates are moved only by
+# steps that visit them, so a rise learned in a slow spell on drafting steps would otherwise
+# price drafting out for good. Here, the lower floor, so that `policies` need not import `adapt`.
+STALE_STEPS = 128
+
 
 @dataclass(frozen=True)
 class RowInfo:

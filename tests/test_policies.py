@@ -578,26 +578,19 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     wide = StepOutcome(torch.zeros(6, dtype=torch.long), torch.tensor([3, 0, 0, 0, 0, 0]), torch.zeros(6), 0.1, 9)
     assert p._table_ms(wide, 100.0) == pytest.approx(80.0)
     assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0
-    # kept per source (`overhead_by_source`): a step of suffix drafts only (no diffusion row
-    # decided) takes out the suffix steps' own extra
-    p.update(overhead_by_source=True)
-    p.step_residual.update({("suffix", 2): 10.5, ("diffusion", 2): 2.0})
-    p.last_steps = torch.tensor([-1, 0])
-    assert p._table_ms(drafted, 20.0) == pytest.approx(10.0)
 
 
-def test_adaptive_prices_diffusion_and_suffix_steps_by_their_own_extra_cost():
-    """With ``overhead_by_source``, suffix-only steps that took 40 ms more than the cost model
-    said do not price diffusion drafting, whose steps took 1 ms more: the learned extra is kept
-    per source, and a plan at that batch size still drafts by diffusion. Off (the default), one
-    estimate of every drafting step's extra prices both."""
+def test_adaptive_prices_diffusion_and_suffix_steps_by_one_estimate_of_the_drafting_extra():
+    """Suffix-only steps that took 40 ms more than the cost model said and diffusion steps that
+    took 1 ms more: one estimate of every drafting step's extra prices both sources (one per
+    source measured worse live at 2 and 8 requests, docs/benchmarks.md)."""
     import dataclasses
 
     from policies.base import rows_per_pass
 
     B = 2
     rows = dataclasses.replace(make_rows(B, 8), recent_accept=torch.full((B,), 0.97))
-    p = policies.get("adaptive", hold_max=0, overhead_by_source=True)
+    p = policies.get("adaptive", hold_max=0)
     for kind in ["plain", "suffix", "diffusion"] * 12:
         steps = torch.full((B,), {"plain": 0, "suffix": -1, "diffusion": 1}[kind])
         p.last_steps = steps
@@ -606,14 +599,9 @@ def test_adaptive_prices_diffusion_and_suffix_steps_by_their_own_extra_cost():
         extra = {"plain": 0.0, "suffix": 40.0, "diffusion": 1.0}[kind]
         p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 0 if kind == "plain" else 4),
                                     torch.zeros(B), (predicted + extra) / 1e3, n))
-    assert 30.0 < p.draft_overhead_at(B, "suffix") <= 40.0 + 1e-6
-    assert 0.5 < p.draft_overhead_at(B) <= 1.0 + 1e-6 and p.draft_overhead_ms == p.draft_overhead_at(B)
-    assert set(p.stats()["step_residual"]) == {"plain@2", "suffix@2", "diffusion@2", "draft@2"}
-    p._plan = None
-    assert p.choose_steps(rows).gt(0).all()
-    # the rule before: one estimate of every drafting step's residual prices both sources
-    p.update(overhead_by_source=False)
     assert p.draft_overhead_at(B) == p.draft_overhead_at(B, "suffix") > 10.0
+    assert p.draft_overhead_ms == p.draft_overhead_at(B)
+    assert "draft@2" in p.stats()["step_residual"]
 
 
 def test_request_book_measures_time_per_token_as_the_client_does():

@@ -4,7 +4,9 @@
     adapt policy set POLICY --settings JSON
 
 `set` merges settings into an existing policy file (validated against the file's policy; an
-unknown or ill-typed setting is named and nothing is written) and writes it back as a new version.
+unknown, ill-typed or out-of-range setting is named and nothing is written) and writes it back as a
+new version; settings deleted as measured no better (`policies.adaptive_settings.REMOVED`) that
+the file still carries are dropped with a warning.
 
 `fit` reads engine traces (a .jsonl file, a directory of them, or a glob), fits the acceptance
 predictor (scikit-learn, calibrated by sequential temperature scaling), fits the step-cost model
@@ -133,14 +135,20 @@ def _run_set(args) -> int:
     """Merge validated settings into a policy file and write it back as a new version."""
     from adapt.controller import validate_settings
     from adapt.policy_file import PolicyFileError, load, save
+    from policies.adaptive_settings import REMOVED
 
     try:
         settings = json.loads(args.settings)
         if not isinstance(settings, dict) or not settings:
             raise ValueError("settings: must be a non-empty JSON object")
         policy = load(args.policy_file)
+        gone = sorted(set(settings) & set(REMOVED)) if policy.policy == "adaptive" else []
+        if gone:  # a deleted setting is not set anew (a file that carries one drops it, below)
+            raise ValueError(f"settings.{gone[0]}: removed setting ({REMOVED[gone[0]]})")
         merged = dict(policy.settings, **settings)
-        validate_settings(policy.policy, merged)  # an unknown or ill-typed setting: named, nothing written
+        validate_settings(policy.policy, merged)  # an unknown, ill-typed or out-of-range setting: named, nothing written
+        if policy.policy == "adaptive":
+            merged = {k: v for k, v in merged.items() if k not in REMOVED}
     except (PolicyFileError, ValueError) as exc:
         print(f"adapt policy set: {exc}", file=sys.stderr)
         return 2
