@@ -184,6 +184,9 @@ class DecoderWorker:
 
     def __init__(self, worker_id: str | None, engine_config: dict[str, Any],
                  plugin_factory: Callable[[str], WorkerPlugin] | None = None, num_threads: int | None = None):
+        from workers.native_caches import bound_native_caches
+
+        bound_native_caches()  # before the first matmul: the libraries read their cache sizes once
         import torch
 
         from workers.engine import Engine, EngineConfig

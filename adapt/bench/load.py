@@ -144,6 +144,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable; default: code prompts)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--soak", type=int, default=None, metavar="N",
+                   help="N floods in a row (each: --concurrency clients, --requests requests), each worker's RSS "
+                        "after each (adapt/bench/load_soak.py)")
+    p.add_argument("--soak-out", default=None, help="the soak's folder (default results/load-soak/PAIR)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +163,12 @@ def run(args, p: argparse.ArgumentParser) -> int:
         if not sep:
             p.error(f"--header: expected NAME=VALUE, got {item!r}")
         headers[name.strip()] = value.strip()
+    if args.soak is not None:
+        from adapt.bench.load_soak import soak_from_args
+
+        if args.soak < 1:
+            p.error("--soak: must be >= 1")
+        return soak_from_args(args, headers, args.prompt or list(DEFAULT_PROMPTS))
     result = asyncio.run(run_load(args.url.rstrip("/"), args.concurrency, args.requests, args.max_tokens,
                                   args.temperature, headers, args.prompt or list(DEFAULT_PROMPTS), args.warmup))
     head = "adapt" if sys.argv[1:3] == ["bench", "load"] else "python -m adapt.bench.load"

@@ -189,6 +189,9 @@ class DecoderCollector(Collector):
         yield per_worker(GaugeMetricFamily("adapt_running_requests", "Requests in the running batch.",
                                            labels=["worker"]),
                          [(w, load.get("running", 0)) for w, load in ws])
+        yield per_worker(GaugeMetricFamily("adapt_worker_rss_bytes", "Resident memory of the worker's process.",
+                                           labels=["worker"]),
+                         [(w, load["rss_bytes"]) for w, load in ws if load.get("rss_bytes") is not None])
         fam = HistogramMetricFamily("adapt_step_time_ms", "Engine step wall time in milliseconds.", labels=["worker"])
         bounds = [*(floatToGoString(b) for b in STEP_BUCKETS_MS), "+Inf"]
         for w, c in cs:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,15 @@ def _resolve_store(store: Any) -> StateStore:
     if store is None or isinstance(store, str):
         return open_store(store)
     return store
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm; elsewhere None)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ServingPlugin:
@@ -211,7 +221,7 @@ class ServingPlugin:
     def _load_record(self) -> dict[str, Any]:
         record = dict(self._loop.load()) if self._loop else {}
         record.update(self.meta, worker_id=self.worker_id, time=time.time(), counters=self.counters.snapshot(),
-                      rejected_policies={str(k): v for k, v in self._rejected.items()})
+                      rejected_policies={str(k): v for k, v in self._rejected.items()}, rss_bytes=_rss_bytes())
         return record
 
     def heartbeat(self) -> None:
