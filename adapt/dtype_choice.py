@@ -113,5 +113,5 @@ def choose_dtype(make_engine: Callable[[str], Any], facts: dict, cache_dir: str 
         write_record(path, facts, choice=choice, built_s=choice["measured_s"])
     except OSError:
         pass
-    say(f"dtype {best}: {choice['reason']}")
+    say(f"dtype {best} (measured in {choice['measured_s']:.1f} s): {choice['reason']}")
     return best_engine, dict(choice, cached=False, path=str(path))

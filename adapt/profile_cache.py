@@ -172,7 +172,7 @@ def coarse_grid(engine) -> dict[str, Any]:
 
 def engine_profile(engine, cache_dir: str | os.PathLike | None = None, refresh: bool = False,
                    say: Callable[[str], None] | None = progress, **profile_args):
-    """(the engine's `CostModel`, info) from the stored profile for its key, else profiled now and
+    """(the engine's `CostModel`, info) from the stored profile for its key, else profiled on the spot and
     stored (see the module docstring). ``refresh``: profile again even when one is stored.
     ``profile_args``: `profile_engine` arguments (default: `coarse_grid`); they are part of the key.
     info: {"path", "cached" (True: read from disk, nothing timed), "built_s", "key"}."""

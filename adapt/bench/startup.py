@@ -85,14 +85,19 @@ def timed_process(cmd: list[str], env: dict, timeout: float) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:5])} exited {proc.returncode}: {err_text[-2000:]}")
     return {"first_token_s": round(t_first, 3) if first else None, "end_s": round(t_end, 3),
-            "text": (first + rest).decode(errors="replace"), "stderr_tail": err_text[-600:]}
+            "text": (first + rest).decode(errors="replace"), "stderr_tail": err_text[-3000:]}
 
 
 def _stats_line(stderr: str) -> dict:
-    """tokens, τ and decode tok/s from `adapt generate`'s closing stderr line, or transformers' token count."""
+    """tokens, τ and decode tok/s from `adapt generate`'s closing stderr line (and the seconds its
+    dtype choice and profile took, where it timed them), or transformers' token count."""
+    out = {}
+    for key, pattern in (("dtype_choice_s", r"measured in ([\d.]+) s"), ("profile_s", r"profiled in ([\d.]+) s")):
+        if found := re.search(pattern, stderr):
+            out[key] = float(found.group(1))
     m = re.search(r"\[(\d+) tokens, tau ([\d.]+), (\d+) tok/s", stderr)
     if m:
-        return {"tokens": int(m.group(1)), "tau": float(m.group(2)), "decode_tok_s": float(m.group(3))}
+        return {"tokens": int(m.group(1)), "tau": float(m.group(2)), "decode_tok_s": float(m.group(3)), **out}
     m = re.search(r"\[(\d+) tokens\]", stderr)
     return {"tokens": int(m.group(1))} if m else {}
 
