@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from adapt.trace_data import K_MAX, TraceTable
-from kernels.rules import EXACT_RULES, Rule
+from kernels.rules import EXACT_RULES, LENIENT_RULE, Rule
 
 DRAFT_FEATURES = (
     "confidence", "log_confidence", "entropy", "margin", "position", "prefix_min_confidence",
@@ -57,7 +57,7 @@ PRIOR_FEATURES = ("steps_1", "steps_2", "steps_3", "steps_4plus", "position", "g
 # rule ids from the one rule table (kernels/rules.py)
 _RULE_MATCH = int(Rule.MATCH)
 _EXACT_RULES = tuple(sorted(int(r) for r in EXACT_RULES))
-_RULE_EPS_TVD = int(Rule.EPS_TVD)
+_RULE_EPS_TVD = int(LENIENT_RULE)  # the lossy rule policies choose (its param is eps)
 
 
 # ----------------------------------------------------------------------------- features (tensor code)

@@ -37,10 +37,10 @@ import torch
 
 from adapt.targets import RequestTargets
 from adapt.trace_data import K_MAX, TraceTable
-from kernels.rules import Rule
+from kernels.rules import LENIENT_RULE
 from workers.decisions import RECENT_NONE, next_recent_accept
 
-_EPS_RULE = int(Rule.EPS_TVD)  # rule ids from the one rule table (kernels/rules.py)
+_EPS_RULE = int(LENIENT_RULE)  # the lossy rule policies choose, from the rule table (kernels/rules.py)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.rules import NEEDS_DRAFT_PROBS, Rule
+from kernels.rules import (RESIDUAL_ARGMAX, RESIDUAL_P, RESIDUAL_P_MINUS_Q, RESIDUAL_P_WITHOUT_X, RULES,
+                           spec_of)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ def positions_reference(
     num_rows = target_probs.shape[0]
     accept, token, tvd, is_draft, u_all = per_row_outputs(draft_idx, uniforms, target_probs)
 
-    for rid in Rule:
+    for rid in sorted(RULES):
         in_group = rule == rid
         rows = in_group.nonzero().squeeze(-1)                            # [n] target rows
         if rows.numel() == 0:
@@ -92,14 +93,15 @@ def positions_reference(
         draft = take(is_draft)                                           # [n]
         x = take(tok).clamp_min(0)[:, None]                              # [n, 1]
         p = take(target_probs)                                           # [n, V]
-        if rid == Rule.GREEDY:
+        spec = RULES[rid]
+        if spec.residual == RESIDUAL_ARGMAX:
             us = None
         elif noise_rows is None:
             us = take(sample_u)                                          # [n]
         else:
             us = sample_u.index_select(0, take(noise_rows))              # [n]
         q = None
-        if rid in NEEDS_DRAFT_PROBS or (rid == Rule.TYPICAL and draft_probs is not None):
+        if spec.needs_q:
             q = torch.zeros_like(p)                                      # [n, V], 0 at bonus rows
             if draft_probs is not None:                                  # (None: rows without drafts)
                 q[draft] = draft_probs if whole else draft_probs.index_select(0, take(draft_idx)[draft])
@@ -140,71 +142,30 @@ def _decide(rid, p, q, us, x, draft, u, prm, prm2):
     return acc, y, d
 
 
-# rules whose accept decision or TVD reads q over the whole vocabulary (REJECTION reads only q(x))
-READS_Q_ROWS = frozenset({Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG, Rule.TYPICAL})
-
-
 def decide_accept(rid, p, q, x, px, qx, u, prm, prm2):
-    """(accept [n] bool, tvd [n] or None, token [n] or None) of n target rows sharing rule `rid`,
-    from p [n, V], the drafted tokens x [n, 1], px = p(x) and qx = q(x) [n] (None where the rule
-    reads no q), q [n, V] (needed only by `READS_Q_ROWS`; None for TYPICAL means no q) and the
-    coins u [n]. The token is given
-    only where the accept decision computes it anyway (GREEDY: argmax p); otherwise
-    `emit_token` gives it. No rule's accept reads the draw's uniform."""
-    if rid == Rule.GREEDY:
-        y = p.argmax(-1)
-        return y == x.squeeze(1), None, y
-    if rid == Rule.MATCH:  # a sample of p equals x with probability p(x): one coin decides it
-        return u < px, None, None
-    if rid == Rule.TYPICAL:
-        plogp = torch.where(p > 0, p * torch.log(p), torch.zeros((), device=p.device))
-        entropy = -plogp.sum(-1)                                         # [n]
-        thr = torch.minimum(prm, prm2 * torch.exp(-entropy))
-        acc = px > thr
-        if q is None:                                                    # TVD given the drafted token
-            d = torch.where(acc, 1.0 - px, torch.zeros_like(px))
-        else:
-            qa = torch.where(p > thr[:, None], q, torch.zeros((), device=p.device))
-            mass = qa.sum(-1, keepdim=True)                              # [n, 1] accepted mass
-            d = 0.5 * (qa - mass * p).abs().sum(-1)
-        return acc, d, None
-    if rid == Rule.REJECTION:
-        return u * qx < px, None, None                                   # P = min(1, p/q) for u ~ U[0, 1)
-    if rid == Rule.EPS_TVD:
-        tv = torch.sub(p, q).clamp_(min=0.0).sum(-1)                     # [n] TV(p, q) = sum (p - q)+
-        ratio = torch.where(tv > prm, prm / tv, torch.ones_like(tv))     # share of the gap closed
-        acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
-        return acc, torch.minimum(prm, tv), None
-    if rid == Rule.LAMBDA:
-        lam = prm
-        acc = u * (lam * qx) < px
-        accepted_mass = torch.where(p >= lam[:, None] * q, q, p / lam[:, None])   # q * min(1, p/(lam q))
-        return acc, (accepted_mass - p).clamp_min(0.0).sum(-1), None
-    if rid == Rule.SGLANG:
-        t_acc, t_single = prm, prm2
-        acc = (px >= t_single) | (u * t_acc < px)
-        # Output law: q(v) a(v) + p(v) (C - c(v)), c(v) = q(v) (1 - a(v)) / (1 - p(v)), C = sum c.
-        one = torch.ones((), device=p.device)
-        a_v = torch.where(p >= t_single[:, None], one, torch.minimum(one, p / t_acc[:, None]))
-        c_v = torch.where(a_v < 1, q * (1 - a_v) / (1 - p), torch.zeros((), device=p.device))
-        c_sum = c_v.sum(-1, keepdim=True)
-        return acc, 0.5 * (q * a_v + p * (c_sum - c_v) - p).abs().sum(-1), None
-    raise ValueError(f"rule: unknown rule id {int(rid)}")
+    """(accept [n] bool, tvd [n] or None, token [n] or None) of n target rows sharing rule `rid`:
+    the rule's own formula (`kernels.rules.RuleSpec.accept`), given p [n, V], q [n, V] (None
+    where the rule does not read q over the vocabulary), the drafted tokens x [n, 1], px = p(x)
+    and qx = q(x) [n] (None where the rule reads no q) and the coins u [n]. No rule's accept reads
+    the draw's uniform."""
+    spec = spec_of(rid)
+    return spec.accept(p, q if spec.reads_q_rows else None, x, px, qx if spec.needs_q else None, u, prm, prm2)
 
 
 def emit_token(rid, p, q, us, x, draft, px):
     """[n] the token each of n target rows sharing rule `rid` emits if its row stops there: at a
-    draft row the recovered token, a draw from the rule's residual (p where it has no mass); at a
-    bonus row (`draft` False; q is 0 there) a draw from p. p [n, V], q [n, V] or None (rules
-    without a residual of q), us [n] the draws' uniforms (`inverse_cdf`), x [n, 1] drafted
-    tokens, px = p(x) [n]."""
-    if rid == Rule.GREEDY:
+    draft row the recovered token, a draw from the rule's residual (`RuleSpec.residual`; p where
+    it has no mass); at a bonus row (`draft` False; q is 0 there) a draw from p. p [n, V], q
+    [n, V] or None (residuals without q), us [n] the draws' uniforms (`inverse_cdf`), x [n, 1]
+    drafted tokens, px = p(x) [n]."""
+    residual = spec_of(rid).residual
+    if residual == RESIDUAL_ARGMAX:
         return p.argmax(-1)
-    if rid == Rule.TYPICAL:
+    if residual == RESIDUAL_P:
         return _sample_or_target(p, p, us)
-    if rid in (Rule.MATCH, Rule.SGLANG):  # p without the draft (a rejected draft is never emitted)
+    if residual == RESIDUAL_P_WITHOUT_X:  # a rejected draft is never emitted
         w = p.scatter(1, x, torch.where(draft, 0.0, px)[:, None])
         return _sample_or_target(w, p, us)
-    if rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA):
+    if residual == RESIDUAL_P_MINUS_Q:
         return _sample_or_target(torch.sub(p, q).clamp_(min=0.0), p, us)
-    raise ValueError(f"rule: unknown rule id {int(rid)}")
+    raise ValueError(f"rule: unknown residual {residual!r}")

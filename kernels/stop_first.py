@@ -4,11 +4,11 @@ A row of the ragged batch emits its accepted drafts and then one token, sampled 
 row*: the target row of its first rejected draft, or its bonus row when every draft is accepted.
 The per-position backends (`kernels.reference`, `kernels.triton_verify`) sample the token of
 every target row, one draw over the vocabulary each, and keep one per request. Here the accept
-decisions come first, from what each rule's accept reads (GREEDY: argmax p; REJECTION and MATCH:
-p(x), q(x) and a coin; the lenient rules: their vocabulary sums), and the token is sampled at
-the stop rows only: one draw per request instead of one per target row, and q spread over the
-whole vocabulary only at the rows that read it (lenient rules, and stop rows whose residual is
-p - q).
+decisions come first, from what each rule's accept reads (its `kernels.rules.RuleSpec`: GREEDY:
+argmax p; REJECTION and MATCH: p(x), q(x) and a coin; EPS_TVD: a vocabulary sum), and the token
+is sampled at the stop rows only: one draw per request instead of one per target row, and q
+spread over the whole vocabulary only at the rows that read it (`reads_q_rows`, and stop rows
+whose residual is p - q).
 
 The arithmetic of every row is the reference's (`kernels.reference.decide_accept` and
 `emit_token`, same tensors, same uniforms), so tokens, accept counts and TVD are the
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from kernels.layout import RaggedLayout
-from kernels.reference import READS_Q_ROWS, decide_accept, emit_token, per_row_outputs
-from kernels.rules import NEEDS_DRAFT_PROBS, Rule
+from kernels.reference import decide_accept, emit_token, per_row_outputs
+from kernels.rules import RESIDUAL_ARGMAX, RESIDUAL_P_MINUS_Q, spec_of
 
 
 def spread(probs: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
@@ -69,7 +69,7 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
     selecting them. Reads no other tensor value into Python (on a GPU, the index selections would
     sync as the reference's do)."""
     R = target_probs.shape[0]
-    present = [Rule(r) for r in sorted(set(rule.unique().tolist() if rules is None else rules))]
+    present = [spec_of(r) for r in sorted(set(rule.unique().tolist() if rules is None else rules))]
     every = torch.arange(R, device=target_probs.device) if len(present) == 1 else None  # [R] the one rule's rows
     dev = target_probs.device
     accept, token, tvd, is_draft, u_all = per_row_outputs(draft_idx, uniforms, target_probs)
@@ -87,14 +87,13 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
             return torch.zeros(rows.shape[0], target_probs.shape[1], device=dev)
         return torch.where(draft[:, None], draft_probs.rows(draft_idx[rows].clamp_min(0)), 0.0)
 
-    for rid in present:                                                  # 1. accept and TVD, every row
-        rows = every if every is not None else (rule == rid).nonzero().squeeze(-1)  # [n] target rows
+    for spec in present:                                                 # 1. accept and TVD, every row
+        rows = every if every is not None else (rule == spec.id).nonzero().squeeze(-1)  # [n] target rows
         draft = is_draft[rows]
         p = target_probs if rows.numel() == R else target_probs.index_select(0, rows)  # [n, V]
-        wide = rid in READS_Q_ROWS and (rid != Rule.TYPICAL or draft_probs is not None)
-        q = q_rows(rows, draft) if wide else None
-        qx = q_at(rows, draft) if rid in NEEDS_DRAFT_PROBS else None
-        a, d, y = decide_accept(rid, p, q, x_all[rows, None], px_all[rows], qx, u_all[rows],
+        q = q_rows(rows, draft) if spec.reads_q_rows else None
+        qx = q_at(rows, draft) if spec.needs_q else None
+        a, d, y = decide_accept(spec.id, p, q, x_all[rows, None], px_all[rows], qx, u_all[rows],
                                 param[rows], param2[rows])
         accept[rows] = a & draft
         if d is not None:
@@ -113,15 +112,15 @@ def positions_stop_first(tok, draft_idx, rule, param, param2, uniforms, target_p
     acc = accept[trow] & (j[None] < k[:, None])                          # [B, K]
     stop = first + (acc.to(torch.int32).cumprod(1).sum(1) if max_k else 0)  # [B] stop row
     stop_rule = rule[stop] if every is None else None
-    for rid in present:                                                  # 3. the token at the stop rows
-        if rid == Rule.GREEDY:
+    for spec in present:                                                 # 3. the token at the stop rows
+        if spec.residual == RESIDUAL_ARGMAX:                             # token set in 1.
             continue
-        rows = stop if every is not None else stop[stop_rule == rid]    # [m]
+        rows = stop if every is not None else stop[stop_rule == spec.id]  # [m]
         if rows.numel() == 0:
             continue
         draft = is_draft[rows]
         p = target_probs.index_select(0, rows)                           # [m, V]
         us = sample_u[rows if noise_rows is None else noise_rows[rows]]  # [m]
-        q = q_rows(rows, draft) if rid in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA) else None
-        token[rows] = emit_token(rid, p, q, us, x_all[rows, None], draft, px_all[rows])
+        q = q_rows(rows, draft) if spec.residual == RESIDUAL_P_MINUS_Q else None
+        token[rows] = emit_token(spec.id, p, q, us, x_all[rows, None], draft, px_all[rows])
     return accept, token, tvd

@@ -24,13 +24,15 @@ GREEDY = tl.constexpr(int(Rule.GREEDY))
 REJECTION = tl.constexpr(int(Rule.REJECTION))
 MATCH = tl.constexpr(int(Rule.MATCH))
 EPS_TVD = tl.constexpr(int(Rule.EPS_TVD))
-LAMBDA = tl.constexpr(int(Rule.LAMBDA))
-SGLANG = tl.constexpr(int(Rule.SGLANG))
-TYPICAL = tl.constexpr(int(Rule.TYPICAL))
 
-# Draw weights (MODE) and the auxiliary vocabulary sum (AUX) computed in the same pass.
+# The rules this kernel has code for (its branches below); `kernels.verify` sends a batch with
+# any other rule of the table to the torch backends.
+TRITON_RULES = frozenset({int(Rule.GREEDY), int(Rule.REJECTION), int(Rule.MATCH), int(Rule.EPS_TVD)})
+
+# Draw weights (MODE: the residual forms of kernels.rules) and the auxiliary vocabulary sum (AUX)
+# computed in the same pass.
 W_P, W_RESIDUAL, W_P_NOT_X = 1, 2, 3
-AUX_NONE, AUX_TV, AUX_LAMBDA, AUX_PLOGP, AUX_SGLANG_C = 0, 1, 2, 3, 4
+AUX_NONE, AUX_TV = 0, 1
 
 
 @triton.jit
@@ -65,7 +67,8 @@ def _argmax(p_row, V, BLOCK: tl.constexpr):
 
 @triton.jit
 def _mass(p_row, q_row, V, x, s1, s2, MODE: tl.constexpr, AUX: tl.constexpr, BLOCK: tl.constexpr):
-    """One sweep over the vocabulary: the draw weights' total (float64) and the sum AUX."""
+    """One sweep over the vocabulary: the draw weights' total (float64) and the sum AUX
+    (s1, s2: rule parameters for sums that read them)."""
     total = tl.zeros((BLOCK,), tl.float64)
     aux = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
@@ -76,16 +79,6 @@ def _mass(p_row, q_row, V, x, s1, s2, MODE: tl.constexpr, AUX: tl.constexpr, BLO
         if AUX == 1:        # TV(p, q) = sum (p - q)+
             q = tl.load(q_row + offs, mask=m, other=0.0)
             aux += tl.maximum(p - q, 0.0)
-        elif AUX == 2:      # sum (q min(1, p / (lam q)) - p)+, lam = s1
-            q = tl.load(q_row + offs, mask=m, other=0.0)
-            acc_mass = tl.where(p >= s1 * q, q, tl.math.div_rn(p, s1))
-            aux += tl.maximum(acc_mass - p, 0.0)
-        elif AUX == 3:      # sum p log p
-            aux += tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0)
-        elif AUX == 4:      # SGLANG: sum c(v), c = q (1 - a) / (1 - p); s1 = t_acc, s2 = t_single
-            q = tl.load(q_row + offs, mask=m, other=0.0)
-            a = tl.where(p >= s2, 1.0, tl.minimum(1.0, tl.math.div_rn(p, s1)))
-            aux += tl.where(a < 1, tl.math.div_rn(q * (1 - a), tl.where(a < 1, 1 - p, 1.0)), 0.0)
     return tl.sum(total, 0), tl.sum(aux, 0)
 
 
@@ -170,60 +163,18 @@ def _verify_positions_kernel(
             acc = u < px
             total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 3, 0, BLOCK)
             y = _draw(p_row, q_row, V, x, us, total, 3, BLOCK)
-        elif rule == TYPICAL:
-            total, plogp = _mass(p_row, q_row, V, x, 1.0, 1.0, 1, 3, BLOCK)
-            y = _draw(p_row, q_row, V, x, us, total, 1, BLOCK)
-            thr = tl.minimum(prm, prm2 * tl.exp(plogp))       # exp(-H(p))
-            acc = px > thr
-            if HAS_Q:
-                mass = tl.zeros((BLOCK,), tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    m = offs < V
-                    p = tl.load(p_row + offs, mask=m, other=0.0)
-                    q = tl.load(q_row + offs, mask=m, other=0.0)
-                    mass += tl.where(p > thr, q, 0.0)
-                q_mass = tl.sum(mass, 0)
-                dev = tl.zeros((BLOCK,), tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    m = offs < V
-                    p = tl.load(p_row + offs, mask=m, other=0.0)
-                    q = tl.load(q_row + offs, mask=m, other=0.0)
-                    dev += tl.abs(tl.where(p > thr, q, 0.0) - q_mass * p)
-                d = 0.5 * tl.sum(dev, 0)
-            else:
-                d = tl.where(acc, 1.0 - px, 0.0)
         else:                                   # rules reading q(x)
             qx = tl.load(q_row + x)
             if rule == REJECTION:
                 acc = u * qx < px
                 total, _a = _mass(p_row, q_row, V, x, 1.0, 1.0, 2, 0, BLOCK)
                 y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
-            elif rule == EPS_TVD:
+            else:                               # EPS_TVD
                 total, tv = _mass(p_row, q_row, V, x, 1.0, 1.0, 2, 1, BLOCK)
                 y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
                 ratio = tl.where(tv > prm, tl.math.div_rn(prm, tl.where(tv > prm, tv, 1.0)), 1.0)
                 acc = ((px >= qx) & (px > 0)) | (tv <= prm) | (u * qx < px + ratio * (qx - px))
                 d = tl.minimum(prm, tv)
-            elif rule == LAMBDA:
-                total, d = _mass(p_row, q_row, V, x, prm, 1.0, 2, 2, BLOCK)
-                y = _draw(p_row, q_row, V, x, us, total, 2, BLOCK)
-                acc = u * (prm * qx) < px
-            else:                               # SGLANG: prm = threshold_acc, prm2 = threshold_single
-                total, c_sum = _mass(p_row, q_row, V, x, prm, prm2, 3, 4, BLOCK)
-                y = _draw(p_row, q_row, V, x, us, total, 3, BLOCK)
-                acc = (px >= prm2) | (u * prm < px)
-                dev = tl.zeros((BLOCK,), tl.float32)
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    m = offs < V
-                    p = tl.load(p_row + offs, mask=m, other=0.0)
-                    q = tl.load(q_row + offs, mask=m, other=0.0)
-                    a = tl.where(p >= prm2, 1.0, tl.minimum(1.0, tl.math.div_rn(p, prm)))
-                    c = tl.where(a < 1, tl.math.div_rn(q * (1 - a), tl.where(a < 1, 1 - p, 1.0)), 0.0)
-                    dev += tl.abs(q * a + p * (c_sum - c) - p)
-                d = 0.5 * tl.sum(dev, 0)
         tl.store(token_ptr + i, y.to(tl.int64))
         tl.store(accept_ptr + i, acc.to(tl.int8))
         tl.store(tvd_ptr + i, d)

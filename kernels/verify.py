@@ -26,7 +26,7 @@ import os
 import torch
 
 from kernels.layout import RaggedLayout
-from kernels.rules import NEEDS_DRAFT_PROBS, NUM_RULES, Rule
+from kernels.rules import NEEDS_DRAFT_PROBS, RULES, bad_param_flags, bad_param_messages, rule_ids, rule_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +71,15 @@ def verify(
     [N, Vd] over the drafter's vocabulary, these target ids (q = 0 elsewhere). `check=True`
     validates values (ids, parameters, offsets, noise rows) at the cost of one host sync; shapes
     and dtypes are always checked. `backend` is "auto" (Triton on CUDA or when
-    ADAPT_FORCE_TRITON=1, stop-first elsewhere), "triton", "torch" (the per-position reference,
+    ADAPT_FORCE_TRITON=1, stop-first elsewhere and where `rules` names a rule the Triton kernel
+    has no code for), "triton", "torch" (the per-position reference,
     Triton's twin) or "stop_first" (`kernels.stop_first`: tokens sampled at stop rows only; the
     same outputs as "torch").
     """
     if backend == "auto":
         backend = "triton" if use_triton(target_probs.device) else "stop_first"
+        if backend == "triton" and rules is not None and not triton_has(rules):
+            backend = "stop_first"  # a rule without Triton code (kernels.triton_verify.TRITON_RULES)
     if backend not in ("triton", "torch", "stop_first"):
         raise ValueError(f"backend: expected 'auto', 'triton', 'torch' or 'stop_first', got {backend!r}")
     if draft_ids is not None and draft_probs is not None:
@@ -103,12 +106,42 @@ def verify(
                                                   target_probs, q, sample_u, noise_rows, layout, max_k, rules)
         return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
     if backend == "triton":
+        if check and not triton_has(rule.unique().tolist()):
+            raise ValueError("rule: a rule without Triton code (kernels.triton_verify.TRITON_RULES); "
+                             "use backend 'stop_first' or 'torch'")
         from kernels.triton_verify import positions_triton as positions
     else:
         from kernels.reference import positions_reference as positions
     accept, token, tvd = positions(tok, draft_idx, rule_r, param_r, param2_r, uniforms,
                                    target_probs, draft_probs, sample_u, noise_rows)
     return _assemble(accept, token, tvd, draft_tokens, cu_num_draft, max_k)
+
+
+def verify_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> VerifyOutput:
+    """`verify` for a batch whose rows all verify with GREEDY, on the padded layout: row r accepts
+    its drafts while each equals the target's argmax at its position, and emits the argmax at the
+    first mismatch (or the bonus position). target_argmax [B, Tq] int64 (argmax p per position;
+    any value where the row verifies nothing); drafts [B, >= Tq - 1] int64; k [B] drafts each
+    row verifies (<= Tq - 1). The GREEDY row of the rule table decides the same per position
+    (tests/test_rule_table.py); this form needs no ragged layout, rule groups or noise."""
+    B, Tq = target_argmax.shape
+    kmax = Tq - 1
+    j = torch.arange(Tq, device=target_argmax.device)
+    match = (drafts[:, :kmax] == target_argmax[:, :kmax]) & (j[None, :kmax] < k[:, None])  # [B, kmax]
+    a = match.to(torch.int32).cumprod(1).sum(1)                                          # [B] leading matches
+    tokens = torch.where(j[None, :kmax] < a[:, None], drafts[:, :kmax], -1)
+    tokens = torch.cat((tokens, tokens.new_full((B, 1), -1)), 1)                          # [B, Tq], -1 padded
+    tokens.scatter_(1, a[:, None].long(), target_argmax.gather(1, a[:, None].long()))
+    return VerifyOutput(tokens=tokens, num_accepted=a.to(torch.int32),
+                        tvd_spent=torch.zeros(B, device=target_argmax.device))
+
+
+def triton_has(rules) -> bool:
+    """True when the Triton kernel has code for every rule id in `rules` (`TRITON_RULES`: the
+    kernel branches per rule, so a rule added to the table alone verifies with the torch backends)."""
+    from kernels.triton_verify import TRITON_RULES
+
+    return all(int(r) in TRITON_RULES for r in rules)
 
 
 def _per_target_row(draft_tokens, layout: RaggedLayout, rule, param, param2):
@@ -208,21 +241,16 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
     k = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
     r = rule.to(torch.int64)
     false = torch.zeros((), dtype=torch.bool, device=cu.device)
-    needs_q = torch.zeros_like(r, dtype=torch.bool)
-    for rid in NEEDS_DRAFT_PROBS:
-        needs_q |= r == rid
+    needs_q = torch.isin(r, torch.tensor([int(x) for x in NEEDS_DRAFT_PROBS], dtype=torch.int64, device=r.device))
     flags = torch.stack([
         cu[0] != 0,
         (k < 0).any() if k.numel() else false,
         (k > max_k).any() if k.numel() else false,
         cu[-1] != draft_tokens.shape[0],
         ((draft_tokens < 0) | (draft_tokens >= vocab)).any(),
-        ((r < 0) | (r >= NUM_RULES)).any(),
+        ~torch.isin(r, rule_ids(r.device).to(torch.int64)).all() if r.numel() else false,
         (needs_q & (k > 0)).any() if draft_probs is None else false,
-        ((r == Rule.EPS_TVD) & ~((param >= 0) & (param <= 1))).any(),
-        ((r == Rule.LAMBDA) & ~((param > 0) & (param <= 1))).any(),
-        ((r == Rule.SGLANG) & ~((param > 0) & (param <= 1) & (param2 > 0) & (param2 <= 1))).any(),
-        ((r == Rule.TYPICAL) & ~((param > 0) & (param2 > 0))).any(),
+        *bad_param_flags(r, param, param2),
     ]).tolist()
     messages = [
         ("cu_num_draft", "cu_num_draft[0] must be 0"),
@@ -230,12 +258,10 @@ def _check_values(draft_tokens, cu, target_probs, draft_probs, rule, param, para
         ("max_k", f"a row has more than max_k = {max_k} drafts"),
         ("cu_num_draft", f"cu_num_draft[-1] must equal num_tokens = {draft_tokens.shape[0]}"),
         ("draft_tokens", f"token ids must lie in [0, {vocab})"),
-        ("rule", f"rule ids must lie in [0, {NUM_RULES})"),
-        ("draft_probs", "required by rows with drafts under REJECTION, EPS_TVD, LAMBDA or SGLANG"),
-        ("param", "EPS_TVD needs eps in [0, 1]"),
-        ("param", "LAMBDA needs lambda in (0, 1]"),
-        ("param", "SGLANG needs threshold_acc (param) and threshold_single (param2) in (0, 1]"),
-        ("param", "TYPICAL needs eps (param) > 0 and delta (param2) > 0"),
+        ("rule", f"rule ids must be one of {sorted(int(x) for x in RULES)}"),
+        ("draft_probs", "required by rows with drafts under "
+                        + ", ".join(rule_name(x) for x in NEEDS_DRAFT_PROBS)),
+        *bad_param_messages(),
     ]
     for bad, (field, msg) in zip(flags, messages):
         if bad:

@@ -54,9 +54,10 @@ def verify_with_rules(rows, draft, ctx, k: torch.Tensor, lenient: bool):
 
 
 def rules_from(draft, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rule, param): EPS_TVD with ε where ε > 0, else the engine's exact rule for the row."""
-    from kernels.rules import Rule
+    """(rule, param): the lenient rule (`kernels.rules.LENIENT_RULE`, ε-TVD) with ε where ε > 0,
+    else the engine's exact rule for the row."""
+    from kernels.rules import LENIENT_RULE
 
     lenient = eps > 0
-    rule = torch.where(lenient, torch.full_like(draft.exact_rule, int(Rule.EPS_TVD)), draft.exact_rule)
+    rule = torch.where(lenient, torch.full_like(draft.exact_rule, int(LENIENT_RULE)), draft.exact_rule)
     return rule.to(torch.int32), torch.where(lenient, eps, torch.zeros_like(eps)).float()

@@ -5,8 +5,8 @@
   statistic rejects a sampler that is known to be biased (REJECTION with a wrong q);
 - EPS_TVD spends min(eps, TV(p, q)) per position, its empirical TVD stays <= eps and its
   acceptance rate is min(1, 1 - TV + eps);
-- LAMBDA, SGLANG and TYPICAL report the TVD their empirical output distribution shows, and that
-  distribution matches the law derived independently here.
+- a lossy rule added through the rule table reports the TVD its output distribution shows
+  (tests/test_rule_table.py).
 
 Seeds are fixed and the significance level is 1e-4, so a pass is reproducible and a real bias
 (which gives p-values far below 1e-10 at these sample sizes) still fails.
@@ -173,57 +173,9 @@ def test_eps_tvd_sums_over_decided_positions():
     torch.testing.assert_close(out.tvd_spent, want, atol=1e-6, rtol=1e-5)
 
 
-def lambda_law(p, q, lam):
-    accepted = q * torch.minimum(torch.ones_like(p), p / (lam * q))
-    residual = (p - q).clamp_min(0)
-    return accepted + (1 - accepted.sum()) * residual / residual.sum()
-
-
-def sglang_law(p, q, t_acc, t_single):
-    law = torch.zeros_like(p)
-    for x in range(VOCAB):                                             # draft x, then outcome
-        a = 1.0 if p[x] >= t_single else min(1.0, float(p[x] / t_acc))
-        rest = p.clone()
-        rest[x] = 0
-        law[x] += q[x] * a
-        if a < 1:
-            law += q[x] * (1 - a) * rest / rest.sum()
-    return law
-
-
-def typical_law(p, q, eps, delta):
-    entropy = -(p[p > 0] * p[p > 0].log()).sum()
-    accepted = torch.where(p > min(eps, delta * float(torch.exp(-entropy))), q, torch.zeros_like(q))
-    return accepted + (1 - accepted.sum()) * p
-
-
-@pytest.mark.parametrize("rule,prm,prm2,law", [
-    (Rule.LAMBDA, 0.5, 0.0, lambda p, q: lambda_law(p, q, 0.5)),
-    (Rule.LAMBDA, 0.85, 0.0, lambda p, q: lambda_law(p, q, 0.85)),
-    (Rule.SGLANG, 0.5, 0.3, lambda p, q: sglang_law(p, q, 0.5, 0.3)),
-    (Rule.SGLANG, 1.0, 1.0, lambda p, q: sglang_law(p, q, 1.0, 1.0)),
-    (Rule.TYPICAL, 0.09, 0.3, lambda p, q: typical_law(p, q, 0.09, 0.3)),
-    (Rule.TYPICAL, 0.3, 0.6, lambda p, q: typical_law(p, q, 0.3, 0.6)),
-])
-def test_lenient_rules_report_their_tvd(rule, prm, prm2, law):
-    p, q = target_dist(20, 1.0, 1.0).double(), draft_dist(20, spread=1.5).double()
-    out = run(p.float()[None].repeat(2, 1), q.float()[None], rule, prm, prm2, seed=21)
-    reported = out.tvd_spent
-    assert float(reported.max() - reported.min()) < 1e-6                # one position per row
-    want = law(p, q)
-    assert abs(float(want.sum()) - 1) < 1e-6
-    assert abs(float(reported[0]) - tv(want, p)) < 1e-5
-    emitted = counts(out.tokens[:, 0])
-    assert abs(tv(emitted / N, p) - float(reported[0])) < 0.01
-    assert chi2_pvalue(emitted, want) > ALPHA
-    if (rule, prm, prm2) == (Rule.SGLANG, 1.0, 1.0):                    # thresholds 1 = exact
-        assert float(reported[0]) < 1e-5 and chi2_pvalue(emitted, p) > ALPHA
-
-
-@pytest.mark.parametrize("rule,prm,prm2", [(Rule.LAMBDA, 0.5, 0.0), (Rule.SGLANG, 0.5, 0.3),
-                                           (Rule.TYPICAL, 0.09, 0.3), (Rule.EPS_TVD, 0.1, 0.0)])
+@pytest.mark.parametrize("rule,prm,prm2", [(Rule.EPS_TVD, 0.1, 0.0)])
 def test_lenient_rules_on_greedy_rows(rule, prm, prm2):
-    """T = 0 (one-hot p): LAMBDA/SGLANG/TYPICAL act as greedy; EPS_TVD spends min(eps, 1 - q(argmax))."""
+    """T = 0 (one-hot p): EPS_TVD spends min(eps, 1 - q(argmax))."""
     best = 3
     p = torch.nn.functional.one_hot(torch.tensor(best), VOCAB).float()
     q = draft_dist(30)

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from adapt.bench import gpu_check
-from kernels import DEFAULT_PARAMS, Rule, draw_noise, select_commit, verify
+from kernels import DEFAULT_PARAMS, NEEDS_DRAFT_PROBS, Rule, draw_noise, select_commit, verify
 from kernels.reference import positions_reference
 from kernels.layout import RaggedLayout
 from kernels.verify import _per_target_row, use_triton
 
-LOSSY_PARAMS = {Rule.EPS_TVD: (0.1, 0.0), Rule.LAMBDA: (0.6, 0.0), Rule.SGLANG: (0.7, 0.4),
-                Rule.TYPICAL: (0.09, 0.3)}
+LOSSY_PARAMS = {Rule.EPS_TVD: (0.1, 0.0)}
 
 
 def make_batch(ks, vocab, seed, temperature=1.0, greedy_rows=(), close=0.5):
@@ -83,10 +82,9 @@ def loop_assemble(x, cu, accept, token, tvd, max_k):
 @pytest.mark.parametrize("with_q", [True, False])
 def test_mixed_rules_ragged_k16(with_q):
     ks = [0, 16, 3, 16, 0, 7, 1, 16, 5, 12, 0, 9, 16, 2]
-    rules = [Rule(i % 7) for i in range(len(ks))]
+    rules = [Rule(i % len(Rule)) for i in range(len(ks))]
     if not with_q:
-        rules = [Rule.MATCH if r in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG) else r
-                 for r in rules]
+        rules = [Rule.MATCH if r in NEEDS_DRAFT_PROBS else r for r in rules]
     x, cu, p, q, u, s = make_batch(ks, vocab=1000, seed=1, greedy_rows=(7,))
     rule, prm, prm2 = rule_tensors(rules)
     out = both(x, cu, p, q if with_q else None, rule, prm, prm2, u, s, 16)
@@ -172,7 +170,7 @@ def test_seeded_rows_do_not_depend_on_batch_companions():
     """Per-request generators: a row's output is the same alone and inside a batch."""
     vocab = 64
     x, cu, p, q, _u, _s = make_batch([5, 3, 0, 7], vocab=vocab, seed=6)
-    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.EPS_TVD, Rule.MATCH, Rule.SGLANG])
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.EPS_TVD, Rule.MATCH, Rule.MATCH])
     gens = [torch.Generator().manual_seed(100 + r) for r in range(4)]
     u, s = (lambda n: (n.uniforms, n.sample_u))(draw_noise(gens, [5, 3, 0, 7]))
     full = both(x, cu, p, q, rule, prm, prm2, u, s, 16)
@@ -191,7 +189,7 @@ def test_per_request_noise_rows():
     vocab = 64
     ks = [5, 3, 0, 7, 2]
     x, cu, p, q, _u, _s = make_batch(ks, vocab=vocab, seed=9)
-    rules = [Rule.REJECTION, Rule.MATCH, Rule.SGLANG, Rule.EPS_TVD, Rule.GREEDY]
+    rules = [Rule.REJECTION, Rule.MATCH, Rule.MATCH, Rule.EPS_TVD, Rule.GREEDY]
     rule, prm, prm2 = rule_tensors(rules)
     gens = [torch.Generator().manual_seed(200 + r) for r in range(5)]
     gens[4] = None
@@ -223,7 +221,7 @@ def test_stop_first_reads_q_over_the_draft_vocabulary():
     q_small = torch.softmax(3 * torch.randn(int(cu[-1]), ids.shape[0], generator=g), -1)   # [N, Vd]
     x = ids[torch.multinomial(q_small, 1, generator=g).squeeze(1)]       # drafts drawn from q
     q_full = torch.zeros(q_small.shape[0], vocab).index_copy_(1, ids, q_small)
-    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.EPS_TVD, Rule.LAMBDA])
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.EPS_TVD, Rule.EPS_TVD])
     ref = both(x, cu, p, q_full, rule, prm, prm2, u, s, 6)
     for backend in ("torch", "stop_first", "triton"):
         out = verify(x, cu, p, q_small, rule, prm, prm2, u, s, 6, backend=backend, draft_ids=ids)
@@ -237,7 +235,7 @@ def test_stop_first_reads_q_over_the_draft_vocabulary():
 
 def test_q_rules_without_drafts_need_no_q():
     x, cu, p, q, u, s = make_batch([0, 3, 0], vocab=30, seed=8)
-    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.SGLANG])
+    rule, prm, prm2 = rule_tensors([Rule.REJECTION, Rule.MATCH, Rule.EPS_TVD])
     out = both(x, cu, p, None, rule, prm, prm2, u, s, 3)
     assert (out.num_accepted[[0, 2]] == 0).all()
 

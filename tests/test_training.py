@@ -96,6 +96,19 @@ def test_greedy_speculative_decoding_reproduces_target_greedy(tiny_target, tiny_
         assert res.passes >= 1 and res.tokens >= 20 * 3 - 3
 
 
+def test_sampled_speculative_decoding_verifies_with_the_engine_rules(tiny_target, tiny_drafter):
+    """T > 0: s = 1 verifies with REJECTION, confidence-ordered s = 2 with MATCH (the engine's
+    `kernels.verify`); seeded runs repeat, and every output has its length."""
+    target, _ = load_target(tiny_target)
+    drafter = load_drafter(tiny_drafter, target.config).bind(target.get_input_embeddings(), target.get_output_embeddings())
+    prompts = torch.randint(2, 512, (3, 10), generator=torch.Generator().manual_seed(2)).tolist()
+    for steps, rule in ((1, "rejection"), (2, "match")):
+        outs, res = speculative_decode(target, drafter, prompts, 20, steps=steps, temperature=1.0, autocast=False, seed=3)
+        again, _ = speculative_decode(target, drafter, prompts, 20, steps=steps, temperature=1.0, autocast=False, seed=3)
+        assert res.rule == rule and outs == again and all(len(o) == 20 for o in outs)
+        assert res.tau >= 1.0 and len(res.accept_per_position) == drafter.config.block_size
+
+
 def test_anchor_and_mask_sampling_shapes():
     g = torch.Generator().manual_seed(0)
     a = sample_anchors(3, 40, 5, 7, 8, g)

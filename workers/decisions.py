@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.rules import Rule, exact_rules  # noqa: F401  (exact_rules: re-exported)
+from kernels.rules import LENIENT_RULE, exact_rules  # noqa: F401  (exact_rules: re-exported)
 from workers.request import DecodeKnobs
 
 SUFFIX = -1  # choose_steps' answer for "draft from the suffix drafter"
@@ -188,7 +188,7 @@ class StaticDecisions:
         eps = torch.tensor([kn.tvd_budget for kn in rows.knobs], dtype=torch.float32, device=dev)
         temp = rows.temperature.to(dev)
         lenient = (eps > 0) & (temp > 0) & draft.conditional
-        rule = torch.where(lenient, int(Rule.EPS_TVD), draft.exact_rule).to(torch.int32)
+        rule = torch.where(lenient, int(LENIENT_RULE), draft.exact_rule).to(torch.int32)
         return VerifyDecision(draft_len=torch.where(draft.steps != 0, k, 0), rule=rule,
                               param=torch.where(lenient, eps, 0.0), param2=torch.zeros_like(eps))
 

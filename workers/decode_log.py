@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kernels.rules import Rule
+from kernels.rules import Rule, rule_name
 from workers.decisions import SUFFIX
 
 CLAMP_REASONS = ("tokens_left", "draft", "block")
-RULE_NAMES = {int(r): r.name for r in Rule}
 
 
 def source_name(steps: int, draft_len: int) -> str:
@@ -70,11 +69,11 @@ class DecodeLog:
         rule = _mode(self.rules) if self.rules else self.last[2]
         return {"steps_used": _mode(self.diffusion), "draft_len_used": _mode(self.draft_len, skip_zero=True),
                 "source_used": "none" if not sources else sources[0] if len(sources) == 1 else "mixed",
-                "rules_used": RULE_NAMES[rule]}
+                "rules_used": rule_name(rule)}
 
     def last_step(self) -> dict:
         s, k, rule = self.last
-        return {"steps": max(s, 0), "draft_len": k, "source": source_name(s, k), "rule": RULE_NAMES[rule]}
+        return {"steps": max(s, 0), "draft_len": k, "source": source_name(s, k), "rule": rule_name(rule)}
 
     def summary(self) -> dict:
         return {
@@ -82,7 +81,7 @@ class DecodeLog:
             "diffusion_steps": {str(s): n for s, n in self.diffusion.items()},
             "draft_len": {str(k): n for k, n in self.draft_len.items()},
             "source": dict(self.sources),
-            "rules": {RULE_NAMES[r]: n for r, n in self.rules.items()},
+            "rules": {rule_name(r): n for r, n in self.rules.items()},
             "verified": dict(self.verified),
             "accepted": {src: self.accepted[src] for src in self.verified},
             "pins": dict(self.pins),

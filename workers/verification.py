@@ -23,12 +23,9 @@ import torch
 from kernels import draw_noise, verify
 from kernels.reference import inverse_cdf
 from kernels.rules import NEEDS_DRAFT_PROBS, Rule
-from kernels.verify import VerifyOutput
+from kernels.verify import VerifyOutput, verify_greedy
 from workers.sampling import argmax, probabilities
 from workers.step_batch import StepBatch
-
-# rules that read q: those that need it, plus TYPICAL, whose TVD is exact only when q is given
-USES_DRAFT_PROBS = NEEDS_DRAFT_PROBS | {Rule.TYPICAL}
 
 
 class AcceptCounters:
@@ -114,7 +111,7 @@ class Verifier:
         B, Tq, V = (len(plan.draft_len_host), plan.max_k + 1, logits.shape[-1]) if packed is not None else logits.shape
         lay, k_host = plan.layout, plan.draft_len_host
         kmax, n = Tq - 1, lay.num_drafts
-        needs_q = any(rr in USES_DRAFT_PROBS for rr, kk in zip(plan.rule_host, k_host) if kk > 0)
+        needs_q = any(rr in NEEDS_DRAFT_PROBS for rr, kk in zip(plan.rule_host, k_host) if kk > 0)
         if needs_q and q.shape[1] < kmax:  # q is the diffusion span wide; a suffix row may verify past it
             q = torch.nn.functional.pad(q, (0, 0, 0, kmax - q.shape[1]))               # [B, kmax, Vd], zeros past the span
         if packed is not None:  # the forward gave the ragged target rows already
@@ -143,8 +140,8 @@ class Verifier:
     @staticmethod
     def greedy(logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,
                packed: torch.Tensor | None = None, Tq: int | None = None) -> VerifyOutput:
-        """`kernels.verify` for a batch whose rows all verify with GREEDY (T = 0), on the padded
-        [B, Tq] layout (no ragged flattening, rule groups or noise): a row accepts its drafts
+        """`kernels.verify.verify_greedy` (the padded GREEDY verification the training evaluator
+        shares) for a batch whose rows all verify with GREEDY (T = 0): a row accepts its drafts
         while each equals the argmax of p at its position and emits the argmax at the first
         mismatch (or the bonus position). The argmax of p is taken on the logits, as transformers'
         greedy search does: softmax is monotone, so it is the same token unless the two largest
@@ -160,15 +157,7 @@ class Verifier:
             y = torch.full((B * Tq,), -1, dtype=torch.int64, device=logits.device)
             y[packed] = argmax(logits).to(torch.int64)                            # [B + N] argmax p per position
             y = y.view(B, Tq)                                                     # -1 where a row verifies nothing
-        kmax = Tq - 1
-        j = torch.arange(Tq, device=logits.device)
-        match = (drafts[:, :kmax] == y[:, :kmax]) & (j[None, :kmax] < k[:, None])  # [B, kmax]
-        a = match.to(torch.int32).cumprod(1).sum(1)                                # [B] leading matches
-        tokens = torch.where(j[None, :kmax] < a[:, None], drafts[:, :kmax], -1)
-        tokens = torch.cat((tokens, tokens.new_full((B, 1), -1)), 1)                # [B, Tq], -1 padded
-        tokens.scatter_(1, a[:, None].long(), y.gather(1, a[:, None].long()))
-        return VerifyOutput(tokens=tokens, num_accepted=a.to(torch.int32),
-                            tvd_spent=torch.zeros(B, device=logits.device))
+        return verify_greedy(y, drafts, k)
 
     def commit(self, batch: StepBatch, out: VerifyOutput, feats) -> tuple[list[list[float]], int]:
         """Stop conditions and counters on the device, then the step's one host sync. Returns

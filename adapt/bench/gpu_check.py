@@ -122,8 +122,7 @@ def _rule_args(rules, device):
 
     from kernels import DEFAULT_PARAMS
 
-    lossy = {3: (0.1, 0.0), 4: (0.6, 0.0), 5: (0.7, 0.4)}  # rules whose defaults are mild
-    prm = [lossy.get(int(r), DEFAULT_PARAMS[r]) for r in rules]
+    prm = [DEFAULT_PARAMS[r] for r in rules]  # each rule's defaults, from the rule table
     return (torch.tensor([int(r) for r in rules], dtype=torch.int32, device=device),
             torch.tensor([a for a, _ in prm], device=device), torch.tensor([b for _, b in prm], device=device))
 
@@ -172,8 +171,10 @@ def section_kernels(ctx) -> dict:
     """Every acceptance rule and mixed-rule batches through both backends (see the module table)."""
     import torch
 
-    from kernels import Rule, select_commit
+    from kernels import NEEDS_DRAFT_PROBS, RULES, Rule, rule_name, select_commit
+    from kernels.triton_verify import TRITON_RULES
 
+    kernel_rules = [r for r in sorted(RULES) if int(r) in TRITON_RULES]  # the rule table's rules with Triton code
     cuda = ctx.device.type == "cuda"
     K = 16
     if ctx.quick:
@@ -185,14 +186,14 @@ def section_kernels(ctx) -> dict:
     for vocab, ks, temp in shapes:
         batch = make_batch(ks, vocab, seed=ctx.seed + vocab % 97, temperature=temp, close=0.8)
         big = vocab > 100_000
-        for rule in Rule:
+        for rule in kernel_rules:
             rec = compare_verify(batch, [rule] * len(ks), K, ctx.device, cpu_reference=cuda,
                                  time_it=10 if cuda and big else 0)
-            cases.append({"case": f"rule {rule.name}", **rec})
-        mixed = [Rule(i % len(Rule)) for i in range(len(ks))]
+            cases.append({"case": f"rule {rule_name(rule)}", **rec})
+        mixed = [kernel_rules[i % len(kernel_rules)] for i in range(len(ks))]
         greedy_batch = make_batch(ks, vocab, seed=ctx.seed + 1, temperature=temp, greedy_rows=(1, 2), close=0.5)
         cases.append({"case": "mixed rules, one-hot greedy rows", **compare_verify(greedy_batch, mixed, K, ctx.device)})
-        no_q = [Rule.MATCH if r in (Rule.REJECTION, Rule.EPS_TVD, Rule.LAMBDA, Rule.SGLANG) else r for r in mixed]
+        no_q = [Rule.MATCH if r in NEEDS_DRAFT_PROBS else r for r in mixed]
         cases.append({"case": "mixed rules without draft probabilities",
                       **compare_verify(greedy_batch, no_q, K, ctx.device, with_q=False)})
         del batch, greedy_batch
@@ -245,7 +246,7 @@ class DecisionRecorder:
         that drafted, ≤ remaining − 1), and the rule of rows that verify drafts."""
         import torch
 
-        from kernels import Rule
+        from kernels import rule_name
 
         if not self.records:
             return {"row_steps": 0}
@@ -264,7 +265,7 @@ class DecisionRecorder:
                "steps_share": hist(s), "draft_len_share_when_drafting": hist(k[drafting]) if drafting.any() else {},
                "mean_draft_len_when_drafting": float(k[drafting].float().mean()) if drafting.any() else 0.0,
                "full_block_share_when_drafting": float((k[drafting] == K).float().mean()) if drafting.any() else 0.0,
-               "rule_share_when_verifying": {Rule(int(r)).name: v for r, v in hist(rule[verifying]).items()}
+               "rule_share_when_verifying": {rule_name(r): v for r, v in hist(rule[verifying]).items()}
                if verifying.any() else {}}
         for cls, m in (("greedy", temp <= 0), ("sampled", temp > 0)):
             if m.any():

@@ -26,8 +26,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--k", type=int, default=16, help="drafts per row")
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--rules", default="greedy,rejection,match,eps_tvd,lambda,sglang,typical",
-                        help="comma-separated rules timed with the reference (and on CUDA)")
+    parser.add_argument("--rules", default="",
+                        help="comma-separated rules timed with the reference (and on CUDA); default: every rule "
+                             "of the table (kernels/rules.py)")
     parser.add_argument("--interpreter-rules", default="rejection,eps_tvd",
                         help="rules timed under the Triton interpreter on CPU ('' to skip)")
     parser.add_argument("--interpreter-batch", type=int, default=4,
@@ -107,13 +108,13 @@ def run(args) -> int:
     if interp_rules:
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before kernels.triton_verify is imported
     import torch
-    from kernels import parse_rule, verify
+    from kernels import RULES, parse_rule, verify
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rules = [parse_rule(r) for r in args.rules.split(",") if r.strip()]
+    rules = [parse_rule(r) for r in args.rules.split(",") if r.strip()] or [parse_rule(r) for r in sorted(RULES)]
     interp = [parse_rule(r) for r in interp_rules]
     batch, k = args.batch, args.k
     cpu = torch.device("cpu")

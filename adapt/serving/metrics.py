@@ -29,13 +29,12 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kernels.rules import Rule
+from kernels.rules import rule_name
 
 __all__ = ["WorkerCounters", "STEP_BUCKETS_MS", "DecoderCollector", "IngressCollector", "MetricsExporter",
            "render_metrics"]
 
 STEP_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-RULE_NAMES = {int(r): r.name.lower() for r in Rule}  # metric label per rule id (kernels/rules.py)
 
 
 def _bump(table: dict[str, float], key: object, by: float = 1.0) -> None:
@@ -83,7 +82,7 @@ class WorkerCounters:
                 d = c["decisions"]
                 _bump(d["steps"], r.get("steps", 0))
                 _bump(d["draft_len"], draft_len)
-                _bump(d["rule"], RULE_NAMES.get(int(r.get("rule", -1)), str(r.get("rule"))))
+                _bump(d["rule"], rule_name(r.get("rule", -1)).lower())  # label from the rule table
                 _bump(d.setdefault("source", {}), r.get("source", "none"))
 
     def observe_step(self, step_ms: float) -> None:

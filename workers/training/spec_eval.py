@@ -7,12 +7,12 @@ index j is the conditional rate: passes that accepted draft j / passes that reac
 that collapse into a repetition loop are easy to draft, so τ is also reported over the outputs
 that do not loop (`tau_no_loop`, with `loop_share`; outputs of at least 80 tokens).
 
-Verification rules (all exact, so the output has the target's distribution):
-- temperature 0: greedy, accept while the draft equals the target's argmax.
-- temperature > 0 with s = 1 or left-to-right commits: rejection sampling against the q each
-  draft token was drawn from (then q is the proposal's true conditional).
-- temperature > 0 with most-confident-first commits and s > 1: match verification (draw the
-  target's own token at every position, accept while equal), exact for any drafter.
+Verification is the engine's: the exact rule `kernels.rules.exact_rules` picks (GREEDY at
+temperature 0; REJECTION against the q each draft was drawn from where q is the proposal's true
+conditional, s = 1 or left-to-right commits; MATCH otherwise, exact for any drafter), verified by
+`kernels.verify_greedy` (GREEDY, on the padded block, as `workers.verification.Verifier.greedy`)
+or `kernels.verify` (sampled rules, one draw uniform per row and pass), so the output has the
+target's distribution and τ is what the engine would measure with the same drafts.
 
 A measuring harness for training (batched, KV-cached, one target forward per pass), not the
 serving engine (`workers/engine.py`).
@@ -24,6 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels import rule_name, verify, verify_greedy
+from kernels.reference import inverse_cdf
+from kernels.rules import Rule, exact_rules
 from workers.drafter import BlockDiffusionDrafter, context_features
 from workers.training.target_eval import LOOP_WINDOW, MAX_PERIOD, is_loop
 
@@ -45,10 +48,26 @@ class SpecEvalResult:
         return asdict(self)
 
 
-def _race(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Sample from probs [..., V] by the exponential race (argmax of p / Exp(1))."""
-    noise = torch.empty(probs.shape).exponential_(1, generator=gen).to(probs.device)
-    return (probs / noise).argmax(-1)
+def verify_block(p_logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, rule: int, temperature: float,
+                 gen: torch.Generator):
+    """(accepted [B] int64, emitted token after them [B] int64) of one pass: every row verifies
+    its K drafts (drafts [B, K], q [B, K, V]) against p_logits [B, K + 1, V] under `rule`, with
+    the engine's verification (`kernels.verify_greedy` / `kernels.verify`)."""
+    B, T, V = p_logits.shape
+    K, dev = T - 1, p_logits.device
+    if rule == Rule.GREEDY:
+        out = verify_greedy(p_logits.argmax(-1), drafts, torch.full((B,), K, device=dev))
+    else:
+        p = torch.softmax(p_logits / temperature, -1).float().reshape(B * T, V).contiguous()   # [B (K + 1), V]
+        draft_probs = q.float().reshape(B * K, V).contiguous() if rule == Rule.REJECTION else None
+        coins = torch.rand(B * K, generator=gen).to(dev)                               # [B K]
+        draw_u = torch.rand(B, generator=gen).to(dev)                                  # [B] one per row
+        zeros = torch.zeros(B, device=dev)
+        out = verify(drafts.reshape(-1).contiguous(), torch.arange(0, B * K + 1, K, dtype=torch.int32, device=dev),
+                     p, draft_probs, torch.full((B,), int(rule), dtype=torch.int32, device=dev), zeros, zeros,
+                     coins, draw_u, K, noise_rows=torch.arange(B, device=dev).repeat_interleave(T), check=False)
+    m = out.num_accepted.long()                                                        # [B]
+    return m, out.tokens.gather(1, m[:, None])[:, 0]
 
 
 def _cache_arg(target) -> str:
@@ -73,7 +92,7 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
     device = drafter.mask_embedding.device
     gen = torch.Generator().manual_seed(seed)
     ids = drafter.config.target_layer_ids
-    rule = "greedy" if temperature == 0 else ("rejection" if steps == 1 or left_to_right else "match")
+    rule = int(exact_rules(torch.tensor([float(temperature)]), torch.tensor([steps == 1 or left_to_right]))[0])
     acc_count = torch.zeros(K, dtype=torch.long)
     reach_count = torch.zeros(K, dtype=torch.long)
     passes = emitted = 0
@@ -102,7 +121,10 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
         feats, logits = forward(tokens, valid, positions)
         ctx_kv = drafter.context_kv(feats.masked_fill(~valid[..., None], 0.0), positions)
         last = logits[:, -1]
-        anchor = last.argmax(-1) if temperature == 0 else _race(torch.softmax(last / temperature, -1), gen)  # [B]
+        if temperature == 0:
+            anchor = last.argmax(-1)                                    # [B]
+        else:  # drawn as the engine draws a row's first token (`workers.verification.next_tokens`)
+            anchor = inverse_cdf(torch.softmax(last / temperature, -1).float(), torch.rand(B, generator=gen).to(device))[0]
         start = valid.sum(-1)                                           # [B] position of the anchor
         for i, t in enumerate(anchor.tolist()):
             outputs[i].append(t)
@@ -115,24 +137,7 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
             block = torch.cat((anchor[:, None], drafts), 1)                  # [B, K + 1]
             block_pos = start[:, None] + torch.arange(K + 1, device=device)  # [B, K + 1]
             feats, p_logits = forward(block, torch.cat((valid, torch.ones_like(block, dtype=torch.bool)), 1), block_pos)
-            if rule == "greedy":
-                y = p_logits.argmax(-1)                                 # [B, K + 1]
-                accept = drafts == y[:, :K]
-            else:
-                p = torch.softmax(p_logits / temperature, -1)
-                if rule == "match":
-                    y = _race(p, gen)
-                    accept = drafts == y[:, :K]
-                else:
-                    px = p[:, :K].gather(-1, drafts[..., None])[..., 0]
-                    qx = q.gather(-1, drafts[..., None])[..., 0]
-                    u = torch.rand(B, K, generator=gen).to(device)
-                    accept = u * qx < px
-                    resid = torch.cat(((p[:, :K] - q).clamp(min=0), p[:, K:]), 1)  # [B, K + 1, V]
-                    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
-                    y = _race(resid, gen)
-            m = accept.long().cumprod(-1).sum(-1)                       # [B] accepted drafts
-            out_tok = y.gather(1, m[:, None])[:, 0]                     # correction or bonus
+            m, out_tok = verify_block(p_logits, drafts, q, rule, temperature, gen)  # [B] accepted, correction or bonus
             counted = active[:, None]
             reach_count += ((m[:, None] >= idx) & counted).sum(0).cpu()
             acc_count += ((m[:, None] > idx) & counted).sum(0).cpu()
@@ -159,7 +164,8 @@ def speculative_decode(target, drafter: BlockDiffusionDrafter, prompts: list[lis
         loop_share = loops.float().mean().item()
         if not loops.all():
             tau_no_loop = row_emitted[~loops].sum().item() / max(1, row_passes[~loops].sum().item())
-    result = SpecEvalResult(steps, float(temperature), "left-to-right" if left_to_right else "confidence", rule,
+    result = SpecEvalResult(steps, float(temperature), "left-to-right" if left_to_right else "confidence",
+                            rule_name(rule).lower(),
                             emitted / max(1, passes), passes, emitted, [round(r, 4) for r in rates],
                             loop_share, tau_no_loop)
     return outputs, result
