@@ -26,9 +26,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kernels.rules import LENIENT_RULE, spec_of
+
 __all__ = ["QualityTarget", "RequestTargets", "ServerDefaults", "parse_quality"]
 
-MAX_TVD_PER_TOKEN = 1.0  # TV distance is at most 1
+MAX_TVD_PER_TOKEN = spec_of(LENIENT_RULE).params[0].hi  # the lenient rule's eps range (kernels/rules.py): 1
 
 
 class QualityTarget(BaseModel):
@@ -88,7 +90,7 @@ def parse_quality(value: object) -> QualityTarget:
             except ValueError:
                 raise ValueError(f"quality: cannot parse the TVD budget in {value!r}") from None
             if not math.isfinite(eps) or not 0.0 < eps <= MAX_TVD_PER_TOKEN:
-                raise ValueError(f"quality: TVD budget must be in (0, 1], got {value!r}")
+                raise ValueError(f"quality: TVD budget must be in (0, {MAX_TVD_PER_TOKEN:g}], got {value!r}")
             return QualityTarget(mode="tvd", eps=eps)
     raise ValueError(f"quality: expected 'lossless' or 'tvd=E', got {value!r}")
 
