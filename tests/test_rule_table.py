@@ -154,3 +154,33 @@ def test_padded_greedy_verification_equals_the_greedy_rule():
     assert torch.equal(fast.num_accepted, ref.num_accepted)
     assert torch.equal(fast.tokens, ref.tokens)
     assert int(fast.num_accepted.sum()) > 0 and (fast.num_accepted < k).any()
+
+
+def test_toy_rule_through_the_engine(toy_rule, tmp_path):
+    """A decision maker answering the toy rule: the engine enforces it (lossless rows get their
+    exact rule), verifies it (stop-first on CPU: no Triton code), charges its TVD and names it
+    in each request's stats."""
+    from tests.tiny_models import make_tiny_pair, run_to_completion
+    from workers.decisions import StaticDecisions, VerifyDecision
+    from workers.engine import Engine, EngineConfig
+    from workers.request import DecodeKnobs, SamplingParams
+
+    class ToyDecisions(StaticDecisions):
+        def choose_verify(self, rows, draft):
+            dec = super().choose_verify(rows, draft)
+            return VerifyDecision(draft_len=dec.draft_len, rule=torch.full_like(dec.rule, TOY),
+                                  param=torch.full_like(dec.param, 0.05), param2=dec.param2)
+
+    target, drafter = make_tiny_pair(tmp_path)
+    engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=4, max_len=128),
+                    decisions=ToyDecisions())
+    adds = [(f"r{i}", list(range(5 + i, 17 + i)), SamplingParams(max_tokens=12, temperature=0.9, seed=i, ignore_eos=True),
+             DecodeKnobs(steps=1, draft_len=4, quality=quality, commit_order="left-to-right"))
+            for i, quality in enumerate(("tvd=0.2", "lossless", "tvd=0.2"))]
+    outs = run_to_completion(engine, adds)
+    stats = {rid[: -len(":stats")]: s for rid, s in outs.items() if rid.endswith(":stats")}
+    assert sorted(stats) == ["r0", "r1", "r2"] and all(s["tokens"] == 12 for s in stats.values())
+    assert stats["r1"]["tvd_spent"] == 0.0
+    lenient = [s for rid, s in stats.items() if rid != "r1"]
+    assert any(s["tvd_spent"] > 0 for s in lenient)
+    assert [stats[r]["rules_used"] for r in ("r0", "r1", "r2")] == ["THRESHOLD", "REJECTION", "THRESHOLD"]
