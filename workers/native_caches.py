@@ -6,10 +6,12 @@ torch's ideep layer), and both layers keep a cache of what they built per shape:
 1024 entries by default) and ideep its *computation cache* (the prepared operation per shape;
 ``LRU_CACHE_CAPACITY``, 1024 by default). A serving batch changes shape every step (rows ×
 tokens per row, prompt lengths), so under repeated floods both fill for a long time: a bare
-decoder worker on the demo pair grew 746 → 938 MiB over ten floods of 32 requests, all of it in
-malloc'ed memory in use (live tensors stayed at 47–48 MiB). With 64 entries each it stayed within
-13 MiB of its second flood's level over ten more, and started 160 MiB smaller
-(results/load-soak/demo/README.md has the served curve and the speed cost).
+decoder worker on the demo pair grew 745 → 938 MiB over ten floods of 32 requests, all of it in
+malloc'ed memory in use (live tensors stayed at 47–48 MiB; Python objects, tracemalloc, grew
+~2 MiB). With 64 entries each it stayed within 13 MiB of its second flood's level over ten more
+and started 160 MiB smaller; served (two replicas, 20 floods) the replicas grew 9–13 MiB from the
+second flood against 237–254 MiB with the libraries' defaults, at a cost of a few percent of
+decode speed (results/load-soak/demo/README.md).
 
 Both libraries read their variable once, when their cache is first used, so `bound_native_caches`
 must run before the worker's first matmul; a value already in the environment (an operator's)
