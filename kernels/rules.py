@@ -336,7 +336,7 @@ def _exact_ids(device):
     """The exact rules' ids as an int32 tensor on ``device``, made once per device and table."""
     import torch
 
-    ids = tuple(int(r) for r in EXACT_RULES)
+    ids = tuple(sorted(int(rid) for rid, spec in RULES.items() if spec.exact))
     key = (str(device), ids)
     if key not in _EXACT_IDS:
         _EXACT_IDS[key] = torch.tensor(ids, dtype=torch.int32, device=device)
