@@ -131,6 +131,7 @@ def _accept_eps_tvd(p, q, x, px, qx, u, prm, prm2):
 
 
 RULES: dict[int, RuleSpec] = {}
+_VERSION = [0]  # bumped by every change of RULES (caches of derived tensors key on it)
 
 
 def register(spec: RuleSpec) -> RuleSpec:
@@ -140,12 +141,14 @@ def register(spec: RuleSpec) -> RuleSpec:
     if spec.residual not in RESIDUALS or len(spec.params) > 2 or spec.id < 0:
         raise ValueError(f"rule: {spec.name}: residual in {RESIDUALS}, at most 2 params, id >= 0")
     RULES[spec.id] = spec
+    _VERSION[0] += 1
     return spec
 
 
 def unregister(rule_id: int) -> None:
     """Remove a rule from the table (tests that register a toy rule)."""
     RULES.pop(int(rule_id), None)
+    _VERSION[0] += 1
 
 
 _NO_TVD = "0 (exact)"
@@ -336,9 +339,9 @@ def _exact_ids(device):
     """The exact rules' ids as an int32 tensor on ``device``, made once per device and table."""
     import torch
 
-    ids = tuple(sorted(int(rid) for rid, spec in RULES.items() if spec.exact))
-    key = (str(device), ids)
+    key = (str(device), _VERSION[0])
     if key not in _EXACT_IDS:
+        ids = sorted(int(rid) for rid, spec in RULES.items() if spec.exact)
         _EXACT_IDS[key] = torch.tensor(ids, dtype=torch.int32, device=device)
     return _EXACT_IDS[key]
 
