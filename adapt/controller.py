@@ -6,7 +6,7 @@ file apply first and keyword settings override them. `reload(decision_maker, pol
 policy version in between steps (what `adapt policy push` triggers on every worker).
 A file's settings are checked against its policy's settings model (`SETTINGS`, pydantic): an
 unknown, ill-typed or out-of-range setting is an error that names it, never dropped; a setting
-deleted as measured no better (`policies.adaptive_settings.REMOVED`) is dropped with a warning.
+deleted as measured no better (`policies.adaptive.settings.REMOVED`) is dropped with a warning.
 `profile_engine(engine)` times the engine's own target forward and drafter pass on a grid when a
 worker starts and returns a `CostModel` (DSpark's SPS(B) table, per token count and per row
 count); the policy then keeps correcting it online from measured steps.
@@ -27,14 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, PolicyFileError, load
-from policies.adaptive_settings import AdaptiveSettings, drop_removed
+from policies.adaptive.settings import AdaptiveSettings, drop_removed
 from workers.decisions import StaticDecisions
 
 
 # -- the settings a policy file may carry ----------------------------------------------------------
 # One pydantic model per policy: its field names are the settings the policy takes from a file's
 # "settings", their types what JSON must hold (strict: no "2" for 2, no 1 for true). The adaptive
-# policy's is its own model (`policies.adaptive_settings`, ranges included: its constructor, a
+# policy's is its own model (`policies.adaptive.settings`, ranges included: its constructor, a
 # policy file and `adapt policy set` read the same one); the others' ranges are left to the classes. `Field(default=None)` only marks a setting optional: values are
 # taken with ``exclude_unset``, so an absent setting keeps the policy's own default.
 class _Settings(BaseModel):

@@ -1,4 +1,4 @@
-"""The adaptive policy's one settings model (`policies.adaptive_settings.AdaptiveSettings`) is what
+"""The adaptive policy's one settings model (`policies.adaptive.settings.AdaptiveSettings`) is what
 its constructor, a policy file and `adapt policy set` accept, and what docs/policies.md lists."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import policies
 from adapt.controller import SETTINGS, build_policy, validate_settings
 from adapt.policy_file import PolicyFile, PolicyFileError, load, save
-from policies.adaptive_settings import REMOVED, AdaptiveSettings, settings_table
+from policies.adaptive.settings import REMOVED, AdaptiveSettings, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = {"match": [2, 8], "accept": [0.5, 0.9]}
@@ -118,6 +118,6 @@ def test_cli_policy_set_names_bad_and_removed_settings(tmp_path, capsys):
 def test_docs_settings_table_is_the_models():
     text = (ROOT / "docs/policies.md").read_text()
     table = settings_table()
-    assert table in text, "docs/policies.md's settings table differs: paste policies.adaptive_settings.settings_table()"
+    assert table in text, "docs/policies.md's settings table differs: paste policies.adaptive.settings.settings_table()"
     for line in table.splitlines()[2:]:
         assert re.match(r"^\| `\w+` \| `.+` \| .+ \| .+ \|$", line), line

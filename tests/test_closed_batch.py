@@ -55,8 +55,10 @@ def test_a_closed_batch_drafts_for_its_tail_and_not_for_rows_ahead():
 def test_tail_weights_and_setting_checks():
     p = policy(closed_model="weight", closed_weight=0.5)
     rows = copy_rows([7, 9, 9, 3], closed=True)
-    assert p._tail(rows).tolist() == [0.5, 1.0, 1.0, 0.5]
-    assert p._tail(copy_rows([4], closed=True)).tolist() == [1.0]  # one row is always the tail
+    from policies.adaptive.objective import tail
+
+    assert tail(rows, p.closed_weight).tolist() == [0.5, 1.0, 1.0, 0.5]
+    assert tail(copy_rows([4], closed=True), p.closed_weight).tolist() == [1.0]  # one row is always the tail
     assert "tail" not in p._ctx(dataclasses.replace(rows, closed=False), torch.device("cpu"))
     with pytest.raises(ValueError, match="closed_weight"):
         AdaptivePolicy(closed_weight=1.5)
@@ -85,12 +87,12 @@ def test_the_time_model_values_tokens_by_the_step_time_they_save():
     model copies for both; the unique last row copies and the row ahead does not; an open batch
     is decided as before."""
     p = policy(closed_model="time")
-    extra, base = p._closed_time(copy_rows([50, 30], closed=True))
+    extra, base = p.closed_time(copy_rows([50, 30], closed=True))
     T_B = 18.0
     assert extra.tolist() == pytest.approx([2 * (4 + 10) / T_B, 2 * 4 / T_B]) and base.tolist() == [1.0, 1.0]
-    extra, _ = p._closed_time(copy_rows([31, 30], closed=True))  # ahead by one token: half the step's share
+    extra, _ = p.closed_time(copy_rows([31, 30], closed=True))  # ahead by one token: half the step's share
     assert extra.tolist() == pytest.approx([2 * (4 + 5) / T_B, 2 * 4 / T_B])
-    assert p._closed_time(copy_rows([40, 40], closed=True))[0].tolist() == pytest.approx([8 / T_B, 8 / T_B])
+    assert p.closed_time(copy_rows([40, 40], closed=True))[0].tolist() == pytest.approx([8 / T_B, 8 / T_B])
     assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
     assert policy(closed_model="time").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [0, 0]
     assert policy(closed_model="time").choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
@@ -106,13 +108,13 @@ def test_the_time_model_reads_the_measured_plain_step():
     each row's context): ``T_B`` is the measured plain step of the latest B-row steps
     (`plain_ms`), ``T_1`` the table's one-row step plus its measured residual."""
     p = policy(closed_model="time")
-    p.plain_ms, p._batch = 30.0, 2
-    p.step_residual[("plain", 1)] = 2.0  # T_1 = 14 + 2 ms: δ = 30 − 16 = 14 ms, T0 = 30 − 2·14 = 2 ms
-    extra, base = p._closed_time(copy_rows([50, 30], closed=True))
+    p.costs.plain_ms, p.costs.batch = 30.0, 2
+    p.costs.step_residual[("plain", 1)] = 2.0  # T_1 = 14 + 2 ms: δ = 30 − 16 = 14 ms, T0 = 30 − 2·14 = 2 ms
+    extra, base = p.closed_time(copy_rows([50, 30], closed=True))
     assert extra.tolist() == pytest.approx([2 * (14 + 2) / 30, 2 * 14 / 30]) and base.tolist() == [1.0, 1.0]
-    p._batch = 3  # the latest step had another batch size: back to the tables (T_2 = 18 ms)
-    assert p._closed_time(copy_rows([50, 30], closed=True))[0].tolist() == pytest.approx([2 * (2 + 14) / 18, 2 * 2 / 18])
+    p.costs.batch = 3  # the latest step had another batch size: back to the tables (T_2 = 18 ms)
+    assert p.closed_time(copy_rows([50, 30], closed=True))[0].tolist() == pytest.approx([2 * (2 + 14) / 18, 2 * 2 / 18])
 
 
 def extra_of(remaining: list[int]) -> list[float]:
-    return policy(closed_model="time")._closed_time(copy_rows(remaining, closed=True))[0].tolist()
+    return policy(closed_model="time").closed_time(copy_rows(remaining, closed=True))[0].tolist()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import policies
+from policies.adaptive.plan import Plan, price_span
 from tests.test_policies import make_rows
 from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
@@ -93,13 +94,13 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     assert policies.get("adaptive").span_headroom == 1  # the default: one position past the plan (docs/policies.md)
     p = policies.get("adaptive", flat_share=0.0, span_headroom=2)
     toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
-    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
+    p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
     assert p.draft_span(rows, [1, 0, 2]) == 4 + 2      # row 2 plans k = 4
     assert p.draft_span(rows, [1, 0, -1]) == 2 + 2     # row 2 took its suffix draft instead
     p.span_headroom = None
     assert p.draft_span(rows, [1, 0, 2]) == 16
     p.span_headroom = 2
-    p._plan = (("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
+    p._plan = Plan(("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     assert p.draft_span(rows, [1, 0, 2]) == 16           # no plan for these rows: the whole block
     with pytest.raises(ValueError, match="span_headroom"):
         policies.get("adaptive", span_headroom=-1)
@@ -113,9 +114,9 @@ def test_adaptive_prices_drafting_at_the_span_it_drafts():
     p.choose_steps(rows)
     assert cost.span == 5  # before any span: the headroom over a 3-token plan
     for _ in range(20):
-        p._plan = (tuple(rows.request_ids), 1, torch.tensor([1, 1]), torch.zeros(2), torch.tensor([2.0, 2.0]))
+        p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1, 1]), torch.zeros(2), torch.tensor([2.0, 2.0]))
         p.draft_span(rows, [1, 1])
-    p._price_span(16)
+    price_span(p, 16)
     assert cost.span == 3 and cost.span_scale() == pytest.approx(0.4 + 0.6 * 2 / 15)
 
 
@@ -129,7 +130,7 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
     cost = CostModel(Table([1, 6, 17, 1024], [14.0, 14.5, 28.0, 900.0]), Table([1, 256], [3.0, 3.0]))
     p = policies.get("adaptive", cost=cost, span_headroom=2)
     rows = make_rows(1, K=16)
-    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
+    p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     p.choose_steps(rows)
     assert p.draft_span(rows, [1]) == 5
     # it will verify the whole span whatever the features say: it asks the engine for none
@@ -147,7 +148,7 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
     p.choose_steps(rows)
     assert p.reads_draft_features  # a new step: nothing known yet
     p.flat_share = 0.0  # not flat: the predictor and the greedy decide, within the span
-    p._plan = (tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
+    p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
     p.choose_steps(rows)
     p.draft_span(rows, [1])
     assert p.reads_draft_features

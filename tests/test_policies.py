@@ -11,6 +11,7 @@ from adapt.controller import build_policy, reload
 from adapt.policy_file import PolicyFile
 from adapt.targets import RequestTargets
 from kernels.rules import EXACT_RULES, Rule
+from policies.adaptive.plan import lam, recent_accept
 from policies.greedy import greedy_prefix
 from workers.decisions import DraftFeatures, RowState, StepOutcome, exact_rules
 from workers.request import DecodeKnobs
@@ -249,10 +250,10 @@ def test_adaptive_plans_short_drafts_before_it_knows_a_threshold():
     p = policies.get("adaptive", cost=cost)
     assert float(p.threshold) == 0.0
     assert p.choose_steps(make_rows(1, 16, temperature=[0.0])).tolist() == [1]
-    assert 2 <= int(p._plan[4][0]) <= 8  # planned verified positions (bonus included): a short prefix
+    assert 2 <= int(p._plan.toks[0]) <= 8  # planned verified positions (bonus included): a short prefix
     # where verifying the whole block is nearly free, the floor keeps every slot worth anything
     flat = policies.get("adaptive", cost=CostModel(Table([1, 1024], [14.0, 14.0]), Table([1, 256], [3.0, 3.0])))
-    assert float(flat._lambda(1.0, 1)) == 0.0
+    assert float(lam(flat, 1.0, 1)) == 0.0
 
 
 def test_adaptive_offers_drafting_again_to_rows_that_stopped():
@@ -264,7 +265,7 @@ def test_adaptive_offers_drafting_again_to_rows_that_stopped():
     # row 0 verified drafts, row 1 did not, for 6 steps
     for _ in range(6):
         p.observe(rows, StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
-    recent = p._recent(rows, p._ctx(rows, "cpu")["idle"], p.predictor)
+    recent = recent_accept(p, rows, p._ctx(rows, "cpu")["idle"], p.predictor)
     assert recent[0] < 0.2 and recent[1] > 0.6  # the idle row reads close to its class's typical value
     with pytest.raises(ValueError, match="idle_decay"):
         policies.get("adaptive", idle_decay=1.5)
@@ -279,7 +280,7 @@ def test_rows_without_verified_drafts_read_their_class_typical_acceptance():
     p.predictor.typical_recent = torch.tensor([0.8, 0.3])
     rows = dataclasses.replace(make_rows(3), temperature=torch.tensor([0.0, 0.9, 0.9]),
                                recent_accept=torch.tensor([RECENT_NONE, RECENT_NONE, 0.6]))
-    recent = p._recent(rows, torch.zeros(3), p.predictor)
+    recent = recent_accept(p, rows, torch.zeros(3), p.predictor)
     assert recent.tolist() == pytest.approx([0.8, 0.3, 0.6])
 
 
@@ -537,20 +538,20 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
         assert not q.holding
     # deciding is cheap against a step (hold_share): no hold; dear: hold
     cheap = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
-    cheap.plain_ms = 1e6
+    cheap.costs.plain_ms = 1e6
     cheap.choose_steps(rows)
     assert not cheap.holding
-    cheap.plain_ms = 1e-6
+    cheap.costs.plain_ms = 1e-6
     cheap.choose_steps(rows)
     assert cheap.holding
     # the comparison is with one row's share of the step (plain_ms / B): deciding delays all 4
     # rows, a copy it may catch wins one row's tokens
     share = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
-    share.decide_ms, share.plain_ms = 1000.0, 40_000.0  # ~900 ms after the EMA: < 5 % of the step, > 5 % of a row's share
+    share.cadence.decide_ms, share.costs.plain_ms = 1000.0, 40_000.0  # ~900 ms after the EMA: < 5 % of the step, > 5 % of a row's share
     share.choose_steps(rows)
     assert share.holding
     one = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
-    one.decide_ms, one.plain_ms = 1000.0, 40_000.0
+    one.cadence.decide_ms, one.costs.plain_ms = 1000.0, 40_000.0
     one.choose_steps(make_rows(1))  # a row's share is the whole step at batch 1
     assert not one.holding
     # a decision that drafts: no hold, and the next plain decision holds 1 step again
@@ -570,7 +571,7 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     (charged separately), so the fixed cost is not counted twice; plain steps teach all of it."""
     p = policies.get("adaptive")
     # learned: drafting steps of 2 rows cost 1.5 ms more, of 5–8 rows 20 ms more
-    p.step_residual = {("draft", 2): 2.0, ("plain", 2): 0.5, ("draft", 8): 30.0, ("plain", 8): 10.0}
+    p.costs.step_residual = {("draft", 2): 2.0, ("plain", 2): 0.5, ("draft", 8): 30.0, ("plain", 8): 10.0}
     drafted = StepOutcome(torch.tensor([1, 0]), torch.tensor([3, 0]), torch.zeros(2), 0.010, 6)
     plain = StepOutcome(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.zeros(2), 0.010, 2)
     assert p._table_ms(drafted, 10.0) == pytest.approx(8.5)
@@ -642,7 +643,7 @@ def _learn_diffusion(p, rows, won_share, steps: int) -> list[list[int]]:
     for _ in range(steps):
         chosen = p.choose_steps(rows)
         history.append(chosen.tolist())
-        expect, level = p._diffusion_expect
+        expect, level = p.step.diffusion_expect
         won = (expect * won_share(level)).round().long()
         p.observe(rows, StepOutcome(won, (chosen > 0).long() * 3, torch.zeros(B), 0.02, B))
     return history

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from policies.adaptive.guards import reachable
 from tests.tiny_models import make_tiny_target, run_to_completion, single_thread
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, EngineInputError, SamplingParams
@@ -228,12 +229,12 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
     assert (policy.choose_steps(rows) == SUFFIX).all()  # long confident matches, cheap slots: widen
     for _ in range(30):
         steps = policy.choose_steps(rows)
-        k = int(policy._suffix_k.max())
+        k = int(policy.step.suffix_k.max())
         predicted = policy.cost.step_ms_at(float(B * (k + 1)))
         slow = 4.0 if k > 0 else 1.0  # widened steps take 4x their prediction, plain ones as predicted
-        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
+        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
                                          slow * predicted / 1e3, B * (k + 1)))
-    assert (policy.choose_steps(rows) == 0).all() and policy.suffix_cost_ratio["wide"] > 1.3
+    assert (policy.choose_steps(rows) == 0).all() and policy.costs.suffix_cost_ratio["wide"] > 1.3
     # its calibration report: widened steps took far more than first predicted, plain ones as predicted
     cal = policy.stats()["suffix_calibration"]
     assert cal["wide@4"]["steps"] >= 1 and cal["wide@4"]["measured_ms"] > 1.3 * cal["wide@4"]["predicted_ms"]
@@ -265,7 +266,7 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
     assert (padded == 0).all()
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
     steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
-    assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed._suffix_k[0]) >= 4
+    assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed.step.suffix_k[0]) >= 4
 
 
 def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
@@ -290,10 +291,10 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
     steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
     assert steps.tolist() == [SUFFIX, 0]
-    assert int(packed._suffix_k[0]) >= 5 and int(packed._suffix_k[1]) == 0
+    assert int(packed.step.suffix_k[0]) >= 5 and int(packed.step.suffix_k[1]) == 0
     padded = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
     padded.choose_steps(rows)
-    k = padded._suffix_k.tolist()
+    k = padded.step.suffix_k.tolist()
     assert k[1] == min(2, k[0])  # one cap for both rows
 
     # the packed candidates: column m takes the m most valuable slots, a prefix of every row
@@ -328,8 +329,8 @@ def test_suffix_first_takes_every_suffix_draft_whole():
     assert chosen.choose_steps(rows).tolist() == [SUFFIX, 0, 0]
     first = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_first=True)
     assert first.choose_steps(rows).tolist() == [SUFFIX, SUFFIX, 0]
-    assert first._suffix_k.tolist() == [8, 2, 0]
-    expect = first._suffix_expect.tolist()
+    assert first.step.suffix_k.tolist() == [8, 2, 0]
+    expect = first.step.suffix_expect.tolist()
     assert expect[0] > expect[1] > 0 and expect[2] == 0
     with pytest.raises(ValueError, match="suffix_first"):
         AdaptivePolicy(suffix_first="yes")
@@ -360,18 +361,18 @@ def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one(
     cost = LinearCost(overhead_ms=10.0, per_token_ms=4.0)
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
     assert policy.choose_steps(rows).tolist() == [SUFFIX, 0]
-    assert int(policy._suffix_k[0]) >= 2 and int(policy._suffix_k[1]) == 0
+    assert int(policy.step.suffix_k[0]) >= 2 and int(policy.step.suffix_k[1]) == 0
     blind = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
     blind.choose_steps(dataclasses.replace(rows, suffix_vote=None))
-    assert blind._suffix_k[0] == blind._suffix_k[1] > 0
+    assert blind.step.suffix_k[0] == blind.step.suffix_k[1] > 0
     off = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table, suffix_vote=False)
     off.choose_steps(rows)  # the setting that ignores vote shares
-    assert off._suffix_k.tolist() == blind._suffix_k.tolist()
+    assert off.step.suffix_k.tolist() == blind.step.suffix_k.tolist()
 
 
 def test_the_engine_hands_the_policy_each_suffix_drafts_vote_shares(target):
     """RowState.suffix_vote holds each row's suffix draft's vote shares, 0 past its draft, padded
-    to the engine's width (`workers.drafting.suffix_drafts`)."""
+    to the engine's width (`workers.drafting.suffix.drafts`)."""
     engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=2, max_len=64))
     engine.add_request("a", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
     engine.add_request("b", [9, 9, 2, 7], SamplingParams(max_tokens=8), DecodeKnobs(source="suffix"))
@@ -432,7 +433,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
         _observe_plain(policy, rows, 10, 0.014)  # 140 ms for 10 tokens, within 14.5 ms/token
         steps = policy.choose_steps(rows)
         assert steps.tolist() == [0, SUFFIX]
-        chosen[guard] = int(policy._suffix_k[1])
+        chosen[guard] = int(policy.step.suffix_k[1])
     assert chosen[False] >= 6
     # with the guard: 140 + 10 + 2·(2 + k) <= 14.5·11 = 159.5, so k <= 2
     assert 1 <= chosen[True] <= 2
@@ -440,7 +441,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     free = dataclasses.replace(rows, targets=[None, None])
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
     policy.choose_steps(free)
-    assert int(policy._suffix_k[1]) == chosen[False]
+    assert int(policy.step.suffix_k[1]) == chosen[False]
 
 
 def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
@@ -465,7 +466,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
                                 sla_guard_behind=behind, sla_guard_behind_rows=1)
         _observe_plain(policy, rows, 10, 0.014)  # 14 ms per token, past the 12 ms target
         steps = policy.choose_steps(rows)
-        chosen[behind] = (steps.tolist(), int(policy._suffix_k[1]))
+        chosen[behind] = (steps.tolist(), int(policy.step.suffix_k[1]))
     assert chosen[False][0] == [0, SUFFIX] and chosen[False][1] >= 6
     assert chosen[True] == ([0, 0], 0)
     # `sla_guard_behind_rows`: the veto only in batches of at least that many rows (this one has 2;
@@ -477,7 +478,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
                                 sla_guard_behind=True, sla_guard_behind_rows=min_rows)
         _observe_plain(policy, rows, 10, 0.014)
         steps = policy.choose_steps(rows)
-        assert (steps.tolist(), int(policy._suffix_k[1])) == want
+        assert (steps.tolist(), int(policy.step.suffix_k[1])) == want
     with pytest.raises(ValueError, match="sla_guard_behind_rows"):
         AdaptivePolicy(sla_guard_behind=True, sla_guard_behind_rows=0)
     # the late row's own copy: its expected tokens pay for the wider step, so it takes it
@@ -486,7 +487,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
                             sla_guard_behind=True, sla_guard_behind_rows=1)
     _observe_plain(policy, own, 10, 0.014)
     assert policy.choose_steps(own).tolist() == [0, SUFFIX]
-    assert int(policy._suffix_k[1]) >= 6
+    assert int(policy.step.suffix_k[1]) >= 6
 
 
 def test_sla_guard_looks_ahead_with_the_batchs_stalls():
@@ -513,7 +514,7 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
                                 sla_clock="decode" if clock == "decode" else "wall", sla_slack=1.0)
         _observe_plain(policy, rows, 10, 0.010)  # ten 10 ms decode steps of one token each
         assert policy.choose_steps(rows).tolist() == [0, SUFFIX]
-        chosen[clock] = int(policy._suffix_k[1])
+        chosen[clock] = int(policy.step.suffix_k[1])
     # wall: 140 + 14 + 2k + 49 · (14 + 4) <= 17.4 · 60, so k <= 4 (now: 154 + 2k <= 191.4 allows 18)
     assert 1 <= chosen["wall"] <= 4
     assert chosen["decode"] == chosen["unguarded"] >= 6
@@ -522,7 +523,7 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
     _observe_plain(policy, late, 10, 0.010)
     policy.choose_steps(late)
-    assert int(policy._suffix_k[1]) == chosen["unguarded"]
+    assert int(policy.step.suffix_k[1]) == chosen["unguarded"]
 
 
 def test_sla_guard_keeps_a_headroom_of_sla_slack():
@@ -541,7 +542,7 @@ def test_sla_guard_keeps_a_headroom_of_sla_slack():
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=slack)
         _observe_plain(policy, rows, 10, 0.010)
         steps = policy.choose_steps(rows)
-        taken[slack] = int(policy._suffix_k[1])
+        taken[slack] = int(policy.step.suffix_k[1])
         assert steps.tolist() == ([0, SUFFIX] if taken[slack] else [0, 0])
     assert taken[1.0] >= 6 and taken[0.9] == 0
 
@@ -559,16 +560,16 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     # (the steps below accept nothing: acceptance recalibration off, this test is about cost)
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
                             suffix_recalibrate=False)
-    policy.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
+    policy.costs.step_residual = {("draft", 4): 5.0, ("plain", 4): 0.0}  # drafting steps: 5 ms beyond the table
     B = 4
     rows = _confident_suffix_rows(B)
     for _ in range(10):
         assert (policy.choose_steps(rows) == SUFFIX).all()
-        k = int(policy._suffix_k.max())
+        k = int(policy.step.suffix_k.max())
         took = policy.cost.step_ms_at(float(B * (k + 1))) + policy.draft_overhead_at(B, "suffix")
-        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy._suffix_k.clone(), torch.zeros(B),
+        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
                                          took / 1e3, B * (k + 1)))
-    assert abs(policy.suffix_cost_ratio["wide"] - 1.0) < 0.02
+    assert abs(policy.costs.suffix_cost_ratio["wide"] - 1.0) < 0.02
 
 
 def test_adaptive_policy_recalibrates_suffix_acceptance_online():
@@ -591,13 +592,13 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
         assert (policy.choose_steps(rows) == SUFFIX).all()
         for _ in range(40):
             steps = policy.choose_steps(rows)
-            expect = policy._suffix_expect.clone() if policy._suffix_expect is not None else torch.zeros(B)
+            expect = policy.step.suffix_expect.clone() if policy.step.suffix_expect is not None else torch.zeros(B)
             won = (expect / 3).floor().long()  # a third of the table's prediction
-            policy.observe(rows, StepOutcome(won, policy._suffix_k.clone() if policy._suffix_k is not None
+            policy.observe(rows, StepOutcome(won, policy.step.suffix_k.clone() if policy.step.suffix_k is not None
                                              else torch.zeros(B, dtype=torch.int64), torch.zeros(B), 0.05, B))
         ratio = policy.stats()["suffix_accept"]["ratio"]
         if recalibrate:
-            assert 0.2 < ratio < 0.5 and policy.suffix_drafts > 0
+            assert 0.2 < ratio < 0.5 and policy.suffix.drafts > 0
             assert (policy.choose_steps(rows) == 0).all()  # at a third of the value the copies no longer pay
             for _ in range(600):  # plain steps: the evidence fades and the copies are retried
                 policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
@@ -634,7 +635,7 @@ def test_adaptive_policy_prices_sampled_rows_copies_by_the_sampled_table():
 
 def test_adaptive_policy_recalibrates_suffix_acceptance_with_one_ratio_for_every_request():
     """Two requests whose copies win every drafted token and two whose copies win nothing, in one
-    packed batch: every row shares the global ratio (`suffix_row_ratio`; a ratio per request
+    packed batch: every row shares the global ratio (`suffix_accept_ratio`; a ratio per request
     measured no gain, docs/benchmarks.md) and gets the same decision."""
     import dataclasses
 
@@ -652,12 +653,10 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_with_one_ratio_for_every
                             suffix_accept=table)
     for _ in range(12):
         policy.choose_steps(rows)
-        k = policy._suffix_k.clone() if policy._suffix_k is not None else torch.zeros(B, dtype=torch.int64)
+        k = policy.step.suffix_k.clone() if policy.step.suffix_k is not None else torch.zeros(B, dtype=torch.int64)
         won = torch.where(runs_on, k, 0)
         policy.observe(rows, StepOutcome(won, k, torch.zeros(B), 0.05, int(B + k.sum())))
     steps = policy.choose_steps(rows)
-    ratio = policy.suffix_row_ratio(policy._ctx(rows, "cpu"))
-    assert torch.allclose(ratio, torch.full((B,), policy.suffix_accept_ratio))
     assert len(set(steps.tolist())) == 1
 
 
@@ -685,8 +684,8 @@ def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
         _observe_plain(policy, rows, 10, 0.014)
         ctx = policy._ctx(rows, torch.device("cpu"))
         torch.testing.assert_close(ctx["lateness"], torch.tensor([14 / 12, 14 / 4]))
-        assert policy._reachable(rows, ctx, torch.tensor([0.5, 0.5]), 2).tolist() == [True, False]
-        assert policy._reachable(rows, ctx, torch.tensor([0.1, 6.0]), 2).tolist() == [False, True]
+        assert reachable(rows, ctx, torch.tensor([0.5, 0.5]), policy.costs.plain_step_ms(2, policy.cost)).tolist() == [True, False]
+        assert reachable(rows, ctx, torch.tensor([0.1, 6.0]), policy.costs.plain_step_ms(2, policy.cost)).tolist() == [False, True]
         policy.choose_steps(rows)  # the plan sets the rows' reach (with `sla_reach`) and weights
         weights[reach] = policy.weights(policy._ctx(rows, torch.device("cpu")))
     torch.testing.assert_close(weights[False], torch.tensor([1 + 2 * (14 / 12 - 0.9), 5.0]))
@@ -696,7 +695,7 @@ def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_clock="decode")
     _observe_plain(policy, free, 10, 0.014)
     ctx = policy._ctx(free, torch.device("cpu"))
-    assert policy._reachable(free, ctx, torch.tensor([0.0, 0.0]), 2).tolist() == [True, False]
+    assert reachable(free, ctx, torch.tensor([0.0, 0.0]), policy.costs.plain_step_ms(2, policy.cost)).tolist() == [True, False]
 
 
 def _take_suffix_with(rows, steps, extra, toks, per_pass_ms: float, **settings):
@@ -711,8 +710,8 @@ def _take_suffix_with(rows, steps, extra, toks, per_pass_ms: float, **settings):
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
                             online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
     ctx = policy._ctx(rows, torch.device("cpu"))
-    out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
-    return out.tolist(), policy._suffix_k.tolist()
+    out, choice = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+    return out.tolist(), choice.suffix_k.tolist()
 
 
 def test_a_copy_that_wins_fewer_tokens_than_the_plan_is_not_taken():
@@ -764,9 +763,9 @@ def test_a_step_that_copies_keeps_the_other_rows_diffusion_drafts():
     assert choose(0.1) == ([SUFFIX, 1], [6, 0])
 
 
-def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_plan():
-    """Where no row's whole copy is expected to win more than its plan (`_copy_may_win` false),
-    `_take_suffix` answers from the plan alone (`_keep_plan`, a few operations instead of the
+def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_plan(monkeypatch):
+    """Where no row's whole copy is expected to win more than its plan (`copy_may_win` false),
+    `take_suffix` answers from the plan alone (`keep_plan`, a few operations instead of the
     candidates' ~80): the same steps, no suffix drafts and the same predicted step (for the cost
     correction) as the full choice gives, over random batches, padded and packed."""
     import torch
@@ -775,16 +774,17 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
     from policies.defaults import LinearCost
     from workers.decisions import RowState
 
-    class Full(AdaptivePolicy):
-        def _copy_may_win(self, w, win, extra):
-            return True
+    import policies.adaptive.source as source
+    from policies.adaptive.source import take_suffix
 
     kept = []
+    plan_only = source.keep_plan
 
-    class Quick(AdaptivePolicy):
-        def _keep_plan(self, steps, toks, packed):
-            kept.append(1)
-            return super()._keep_plan(steps, toks, packed)
+    def counted(*args):  # counts the answers taken from the plan alone
+        kept.append(1)
+        return plan_only(*args)
+
+    monkeypatch.setattr(source, "keep_plan", counted)
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -801,12 +801,12 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
         extra = torch.where(steps > 0, 4.0 * torch.rand(B, generator=gen), torch.zeros(B))
         toks = torch.where(steps > 0, torch.randint(2, 8, (B,), generator=gen).float(), torch.ones(B))
         answers = []
-        for cls in (Quick, Full):
-            policy = cls(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=3.0, per_row_ms=0.2),
-                         online_cost=False, hold_max=0, suffix_recalibrate=False)
+        for shortcut in (True, False):
+            policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=3.0, per_row_ms=0.2),
+                                    online_cost=False, hold_max=0, suffix_recalibrate=False)
             ctx = policy._ctx(rows, torch.device("cpu"))
-            out = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
-            answers.append((out.tolist(), policy._suffix_k.tolist(), policy._suffix_pred))
+            out, choice = take_suffix(policy, rows, ctx, steps.clone(), extra.clone(), toks.clone(), shortcut)
+            answers.append((out.tolist(), choice.suffix_k.tolist(), choice.suffix_pred))
         quick, full = answers
         assert quick[:2] == full[:2]
         assert quick[2][:3] == full[2][:3] and abs(quick[2][3] - full[2][3]) < 1e-9, (quick, full)

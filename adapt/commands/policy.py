@@ -5,7 +5,7 @@
 
 `set` merges settings into an existing policy file (validated against the file's policy; an
 unknown, ill-typed or out-of-range setting is named and nothing is written) and writes it back as a
-new version; settings deleted as measured no better (`policies.adaptive_settings.REMOVED`) that
+new version; settings deleted as measured no better (`policies.adaptive.settings.REMOVED`) that
 the file still carries are dropped with a warning.
 
 `fit` reads engine traces (a .jsonl file, a directory of them, or a glob), fits the acceptance
@@ -135,7 +135,7 @@ def _run_set(args) -> int:
     """Merge validated settings into a policy file and write it back as a new version."""
     from adapt.controller import validate_settings
     from adapt.policy_file import PolicyFileError, load, save
-    from policies.adaptive_settings import REMOVED
+    from policies.adaptive.settings import REMOVED
 
     try:
         settings = json.loads(args.settings)

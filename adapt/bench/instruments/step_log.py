@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                              if self.last_steps is not None else None)
                 log[-1].update({"ms": 1e3 * outcome.step_time, "positions": int(outcome.num_tokens),
                                 "accepted": int(outcome.accepted.sum()), "verified": int(outcome.verified.sum()),
-                                "predicted_ms": predicted, "decision_ms": self.decide_ms})
+                                "predicted_ms": predicted, "decision_ms": self.cadence.decide_ms})
             return super().observe(rows, outcome)
 
     from adapt.bench.live import KnobsBaseline

@@ -12,10 +12,13 @@ each with that measured reason: a policy file that still carries one loads with 
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
+
+from .suffix_table import check_suffix_accept
 
 # settings deleted because they measured no better than their alternative (docs/benchmarks.md,
 # "tried and rejected"): name -> the measured reason
@@ -90,8 +93,6 @@ class AdaptiveSettings(BaseModel):
     @field_validator("suffix_accept")
     @classmethod
     def _table(cls, value):
-        from policies.adaptive import check_suffix_accept
-
         return check_suffix_accept(value)
 
 
@@ -132,8 +133,6 @@ def settings_table() -> str:
 
 
 def _json(value) -> str:
-    import json
-
     return json.dumps(value)
 
 
