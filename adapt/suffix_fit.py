@@ -15,7 +15,7 @@ maximum-likelihood estimates from records with `accepted` = a of k are
 non-decreasing in m (a longer match never predicts less; `monotone`); buckets with too few
 records fall back to the built-in ``m / (m + 3)``, clipped between their fitted neighbours,
 and too few later tokens to the bucket's pooled estimate ``Σ a / (Σ a + #[a < k])``. The table
-goes into the adaptive policy's settings (``suffix_accept``; policies/adaptive.py) and the fit
+goes into the adaptive policy's settings (``suffix_accept``; policies/adaptive/suffix_table.py) and the fit
 report.
 
 **Vote shares.** Each drafted token carries the share of the draft's candidates that voted for it

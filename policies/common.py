@@ -60,8 +60,7 @@ def row_info(knobs, targets) -> RowInfo:
 
 class RequestBook:
     """Per-request memory of a policy: targets read once, decode time and tokens so far, and the
-    steps since the request last verified diffusion drafts (*idle* steps), and the decayed sums of the tokens
-    its suffix drafts won and of what the policy's table predicted for them (`observe_suffix`).
+    steps since the request last verified diffusion drafts (*idle* steps).
 
     ``observe`` adds each step's time to every row in it and the row's emitted tokens; the
     lateness of a request is ``(elapsed / tokens) / tpot_target``. With ``wall_clock`` (default),
@@ -80,8 +79,6 @@ class RequestBook:
         self.elapsed_ms: dict[str, float] = {}
         self.tokens: dict[str, float] = {}
         self.idle_steps: dict[str, float] = {}
-        self.suffix_won: dict[str, float] = {}
-        self.suffix_predicted: dict[str, float] = {}
         self.last_seen: dict[str, int] = {}
         self.tick = 0
         self.forget_after = forget_after
@@ -90,16 +87,12 @@ class RequestBook:
         self.elapsed = torch.zeros(0)
         self.count = torch.zeros(0)
         self.idle = torch.zeros(0)
-        self.won = torch.zeros(0)
-        self.predicted = torch.zeros(0)
 
     def _flush(self) -> None:
         """Write the running tensors of the current batch back to the dictionaries."""
         if self.key:
-            for rid, e, n, i, w, p in zip(self.key, self.elapsed.tolist(), self.count.tolist(), self.idle.tolist(),
-                                          self.won.tolist(), self.predicted.tolist()):
+            for rid, e, n, i in zip(self.key, self.elapsed.tolist(), self.count.tolist(), self.idle.tolist()):
                 self.elapsed_ms[rid], self.tokens[rid], self.idle_steps[rid] = e, n, i
-                self.suffix_won[rid], self.suffix_predicted[rid] = w, p
                 self.last_seen[rid] = self.tick
 
     def _load(self, rows) -> None:
@@ -123,8 +116,6 @@ class RequestBook:
         self.elapsed = torch.tensor([self.elapsed_ms.get(r, 0.0) for r in key], dtype=torch.float32)
         self.count = torch.tensor([self.tokens.get(r, 0.0) for r in key], dtype=torch.float32)
         self.idle = torch.tensor([self.idle_steps.get(r, 0.0) for r in key], dtype=torch.float32)
-        self.won = torch.tensor([self.suffix_won.get(r, 0.0) for r in key], dtype=torch.float32)
-        self.predicted = torch.tensor([self.suffix_predicted.get(r, 0.0) for r in key], dtype=torch.float32)
         self.key = key
         self._forget()
 
@@ -133,16 +124,14 @@ class RequestBook:
             live = set(self.key)
             stale = [r for r in self.info if r not in live and self.tick - self.last_seen.get(r, 0) > self.forget_after]
             for r in stale:
-                for d in (self.info, self.elapsed_ms, self.tokens, self.idle_steps, self.last_seen, self.suffix_won,
-                          self.suffix_predicted):
+                for d in (self.info, self.elapsed_ms, self.tokens, self.idle_steps, self.last_seen):
                     d.pop(r, None)
 
     def tensors(self, rows, device) -> dict[str, torch.Tensor]:
         """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle,
         elapsed_ms and tokens (each row's decode time and tokens so far: wall time since its first
         token and tokens after it with ``wall_clock`` where the rows carry `decode_ms`), stall_ms
-        (wall time outside the decode steps it took part in; 0 without the wall clock),
-        suffix_won and suffix_predicted (`observe_suffix`)."""
+        (wall time outside the decode steps it took part in; 0 without the wall clock)."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
@@ -156,8 +145,7 @@ class RequestBook:
         lateness = measured / st["tpot_ms"]  # 0 where there is no target (tpot_ms = inf)
         out = {"eps": st["eps"], "budget_left": (st["total"] - spent).clamp_min(0.0), "tpot_ms": st["tpot_ms"],
                "priority": st["priority"], "left_to_right": st["left_to_right"], "lateness": lateness,
-               "idle": self.idle, "elapsed_ms": elapsed, "tokens": count, "stall_ms": stall,
-               "suffix_won": self.won, "suffix_predicted": self.predicted}
+               "idle": self.idle, "elapsed_ms": elapsed, "tokens": count, "stall_ms": stall}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
         return out
@@ -171,15 +159,6 @@ class RequestBook:
         self.count += emitted.float()
         if verified is not None:
             self.idle = torch.where(verified > 0, torch.zeros_like(self.idle), self.idle + 1.0)
-
-    def observe_suffix(self, rows, taken: torch.Tensor, won: torch.Tensor, predicted: torch.Tensor,
-                       decay: float, idle_decay: float) -> None:
-        """Add a step's suffix drafts to each row's decayed sums: rows that took one (``taken``
-        [B] bool) decay theirs by ``decay`` and add the tokens it won (``won`` [B]) and the table's
-        prediction (``predicted`` [B]); the others decay theirs by ``idle_decay``."""
-        self._load(rows)
-        self.won = torch.where(taken, decay * self.won + won.float(), idle_decay * self.won)
-        self.predicted = torch.where(taken, decay * self.predicted + predicted.float(), idle_decay * self.predicted)
 
 
 def lenient_eps(eps: torch.Tensor, budget_left: torch.Tensor, draft_len: torch.Tensor, steps: torch.Tensor,

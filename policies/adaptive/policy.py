@@ -157,6 +157,7 @@ class AdaptivePolicy(Policy):
             self.step = replace(self.step, diffusion_expect=(stay, raw.level))
         return steps
 
+    # the three decision phases, methods so that `adapt.bench.instruments.phase_times` times them apart
     def _plan_steps(self, rows, ctx, B: int, K: int) -> Plan:
         return plan_steps(self, rows, ctx, B, K)
 
