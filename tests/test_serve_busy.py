@@ -9,6 +9,7 @@ ones it left behind without touching another Ray on this machine."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -26,10 +28,31 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def ray_tmpdir():
+    """A short RAY_TMPDIR of the test's own (Ray's socket paths live under it), removed after."""
+    path = tempfile.mkdtemp(prefix="adapt-ray-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _ray_processes(tmpdir: str) -> list[str]:
-    """Command lines of the processes that run under the Ray temp directory `tmpdir`."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line.strip() for line in out.splitlines()[1:] if tmpdir in line and "ps -eo" not in line]
+    """Command lines of the processes that run under the Ray temp directory `tmpdir`, and of
+    their children (Ray's workers name themselves ``ray::...``)."""
+    roots = [p for p in psutil.process_iter(["cmdline"]) if tmpdir in " ".join(p.info["cmdline"] or [])]
+    procs = set(roots)
+    for root in roots:
+        try:
+            procs.update(root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    out = []
+    for proc in procs:
+        try:
+            out.append(" ".join(proc.cmdline())[:200])
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _no_ray_left(tmpdir: str, wait_s: float = 30.0) -> list[str]:
@@ -80,10 +103,10 @@ def test_serve_timeouts_in_code_equal_the_shipped_config_and_env_overrides_them(
 
 
 @pytest.mark.slow
-def test_adapt_serve_starts_while_another_process_keeps_both_cores_busy(tmp_path):
+def test_adapt_serve_starts_while_another_process_keeps_both_cores_busy(tmp_path, ray_tmpdir):
     """Both cores burnt by other processes the whole time: healthy within 180 s, one completion."""
     burn = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
-    tmpdir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths live under it
+    tmpdir = ray_tmpdir
     port, log = free_port(), tmp_path / "serve.log"
     t0 = time.monotonic()
     proc = _serve(port, tmpdir, log)
@@ -102,7 +125,11 @@ def test_adapt_serve_starts_while_another_process_keeps_both_cores_busy(tmp_path
             "model": "adapt-demo", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] >= 1
+        # Serve's proxy may answer before `adapt serve` has seen its application running
+        while "adapt serving adapt-demo" not in log.read_text() and time.monotonic() - t0 < 180:
+            time.sleep(0.5)
         text = log.read_text()
+        assert "adapt serving adapt-demo" in text, text[-3000:]
         # a line per stage, and Serve's proxy never killed for missing its readiness check
         for stage in ("starting Ray", "Ray is up", "starting Serve", "Serve is up; deploying application", "replicas:"):
             assert f"adapt serve: {stage}" in text, text[-3000:]
@@ -117,10 +144,10 @@ def test_adapt_serve_starts_while_another_process_keeps_both_cores_busy(tmp_path
     assert not _no_ray_left(tmpdir)
 
 
-def test_a_start_that_cannot_succeed_says_why_in_one_line_and_stops_ray(tmp_path):
+def test_a_start_that_cannot_succeed_says_why_in_one_line_and_stops_ray(tmp_path, ray_tmpdir):
     """A Decoder replica no node can hold (64 CPUs on this machine): Ray starts, the start is
     refused with one line naming the cause and the fix, and Ray's processes are gone."""
-    tmpdir = tempfile.mkdtemp(prefix="rf", dir="/tmp")
+    tmpdir = ray_tmpdir
     log = tmp_path / "serve.log"
     proc = _serve(free_port(), tmpdir, log, "--worker-cpus", "64")
     try:
@@ -136,8 +163,8 @@ def test_a_start_that_cannot_succeed_says_why_in_one_line_and_stops_ray(tmp_path
     assert not _no_ray_left(tmpdir)
 
 
-def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path):
-    tmpdir = tempfile.mkdtemp(prefix="rp", dir="/tmp")
+def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path, ray_tmpdir):
+    tmpdir = ray_tmpdir
     log = tmp_path / "serve.log"
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -153,3 +180,24 @@ def test_a_port_in_use_is_one_line_before_anything_starts(tmp_path):
     [line] = _error_lines(text)
     assert f"port {port} on 127.0.0.1 is in use" in line and "fix: pass another --port" in line
     assert "starting Ray" not in text and not _ray_processes(tmpdir)
+
+
+def test_a_stop_during_start_up_stops_ray_too(tmp_path, ray_tmpdir):
+    """SIGTERM while the replicas load (as a supervisor stops a start that takes too long): exit
+    status 130, one line, no Ray process left."""
+    log = tmp_path / "serve.log"
+    proc = _serve(free_port(), ray_tmpdir, log)
+    try:
+        deadline = time.monotonic() + 120
+        while "adapt serve: Serve is up" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert _ray_processes(ray_tmpdir), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert proc.returncode == 130, text[-3000:]
+    assert "adapt serve: stopped during start-up" in text and "Traceback" not in text, text[-3000:]
+    assert not _no_ray_left(ray_tmpdir)

@@ -128,13 +128,19 @@ def run(args) -> int:
     api_keys = ApiKeys.from_sources(args.api_key)
     defaults = ServerDefaults(tpot_ms=args.default_tpot_ms, quality=args.default_quality)
     policy, policy_file = default_policy(args.policy, args.policy_file, shipped, drafter)
+    # SIGINT too (a shell that starts `adapt serve &` has it ignored), and from here on, so that a stop
+    # during start-up stops what had started
+    _stop_on_signals()
     try:
         stack = _start(start_stack, target, drafter, args, policy, policy_file, model_name, defaults, api_keys,
                        Progress("adapt serve"))
     except StartupError as exc:  # one line, the cause and the fix; Serve and Ray already stopped
         print(f"adapt serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # start_stack stopped what it had started
+        print("adapt serve: stopped during start-up", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - an unforeseen cause: still one line, the logs for the rest
         print(f"adapt serve: error: start-up failed ({one_line_cause(exc)}); fix: see the error it names (Ray's logs "
@@ -145,9 +151,6 @@ def run(args) -> int:
     auth = f"{len(api_keys)} API key(s) required" if api_keys else "no API key required"
     print(f"adapt serving {model_name} on {url}/v1  ({args.num_workers} worker(s), state store: {store}, "
           f"{auth}, queue limit {args.max_queue})", flush=True)
-    # SIGINT too: a shell that starts `adapt serve &` has it ignored (uvicorn, before, handled both)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # stop as on Ctrl-C: Serve and Ray are shut down below
-        signal.signal(sig, _interrupt)
     try:
         while True:  # serving happens in Serve's proxy and replicas
             time.sleep(3600)
@@ -169,8 +172,16 @@ def _start(start_stack, target, drafter, args, policy, policy_file, model_name, 
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, host=args.host, port=args.port, progress=progress,
-        start_timeout_s=args.start_timeout_s,
+        start_timeout_s=args.start_timeout_s, on_ray_started=_stop_on_signals,
     )
+
+
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop as Ctrl-C does: Serve and Ray are shut down."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
 
 def _interrupt(signum, frame) -> None:

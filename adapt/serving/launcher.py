@@ -52,6 +52,10 @@ class Stack:
                 serve.shutdown()
             else:  # a Serve that was running before: remove only this application
                 serve.delete(self.app_name)
+        except Exception as exc:  # noqa: BLE001 - e.g. Serve's controller slow to stop on a loaded machine
+            if not self.owns_ray:
+                raise
+            log.warning("Serve did not shut down cleanly (%s); stopping Ray, which stops it", one_line_cause(exc))
         finally:
             if self.owns_ray:
                 ray.shutdown()
@@ -73,7 +77,8 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
                 heartbeat_s: float = 0.5, ttl_s: float = 3.0, default_max_tokens: int = 64,
                 api_keys: Any = None, max_queue: int | None = None, max_body_bytes: int | None = None,
                 host: str = "127.0.0.1", port: int = 0, app_name: str = "adapt",
-                progress: Callable[[str], None] | None = None, start_timeout_s: float = 600.0) -> Stack:
+                progress: Callable[[str], None] | None = None, start_timeout_s: float = 600.0,
+                on_ray_started: Callable[[], None] | None = None) -> Stack:
     """Run the serving application on Ray; see the module docstring.
 
     worker_resources: custom Ray resources every Decoder replica takes (e.g. ``{"decoder_slot":
@@ -91,6 +96,9 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
     current policy); port 0 picks a free port.
     progress: called with a line per start-up stage (default: logged). start_timeout_s: how long
     the application may take to run every replica before the start fails (StartupError).
+    on_ray_started: called once this process has started (or joined) Ray, whose start puts its
+    own SIGTERM handler in place (a stack dump and an abort): a caller that stops on SIGTERM puts
+    its handler back there.
     """
     import ray
     from ray import serve
@@ -127,6 +135,8 @@ def start_stack(target: str, drafter: str | None, *, num_workers: int = 1, redis
             raise StartupError(f"Ray did not start ({one_line_cause(exc)}); fix: {fix}") from exc
         owns_ray = True
         say("Ray is up")
+        if on_ray_started is not None:
+            on_ray_started()
     cores = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     threads = num_threads or max(1, cores // max(1, num_workers))
     defaults = defaults or ServerDefaults()
