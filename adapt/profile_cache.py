@@ -22,6 +22,8 @@ the policy makes while decoding refine the stored profile in the running process
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -176,13 +178,33 @@ def engine_profile(engine, cache_dir: str | os.PathLike | None = None, refresh: 
     stored (see the module docstring). ``refresh``: profile again even when one is stored.
     ``profile_args``: `profile_engine` arguments (default: `coarse_grid`); they are part of the key.
     info: {"path", "cached" (True: read from disk, nothing timed), "built_s", "key"}."""
-    from adapt.controller import profile_engine
-    from adapt.cost_model import CostModel
-
     args = coarse_grid(engine) if not profile_args else profile_args
     facts = dict(engine_facts(engine), profile={k: (list(v) if isinstance(v, tuple) else v) for k, v in args.items()},
                  kind="cost")
     path = profiles_dir(cache_dir) / f"cost-{key_digest(facts)}.json"
+    with _locked(path):  # workers starting together: one profiles, the others read its file
+        return _read_or_build(engine, path, facts, args, refresh, say)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock beside ``path`` (``<name>.lock``) for the block; no lock where the
+    directory cannot be written (the profile is then built and not kept)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _read_or_build(engine, path: Path, facts: dict, args: dict, refresh: bool, say):
+    from adapt.controller import profile_engine
+    from adapt.cost_model import CostModel
+
     record = None if refresh else read_record(path, facts)
     if record is not None:
         try:
@@ -209,7 +231,7 @@ def list_profiles(cache_dir: str | os.PathLike | None = None) -> list[dict]:
     """Every stored profile / dtype choice: path, kind, size (KB) and the main parts of its key."""
     folder = profiles_dir(cache_dir)
     out = []
-    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:  # (not the .lock files)
         row: dict[str, Any] = {"path": str(f), "kb": round(f.stat().st_size / 1024, 1)}
         try:
             rec = json.loads(f.read_text())

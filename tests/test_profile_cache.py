@@ -172,7 +172,7 @@ def test_a_serving_worker_reads_the_stored_profile(pair, tmp_path, monkeypatch):
         assert first.decisions(engine) is not None and first.cost.source == "profile"
     finally:
         first.close()
-    assert [p.name.startswith("cost-") for p in (tmp_path / "profiles").iterdir()] == [True]
+    assert [p.name.startswith("cost-") for p in (tmp_path / "profiles").glob("*.json")] == [True]
     counted = _Counted(engine)
     later = ServingPlugin("w1", store=None, policy="adaptive", heartbeat_s=60)
     try:
@@ -183,3 +183,24 @@ def test_a_serving_worker_reads_the_stored_profile(pair, tmp_path, monkeypatch):
         assert counted.calls > 0
     finally:
         later.close()
+
+
+def test_workers_starting_together_profile_once(pair, tmp_path):
+    """Two engines of one key asking at once: one profiles, the other waits and reads its file."""
+    import threading
+
+    from adapt.profile_cache import engine_profile
+
+    engines = [_engine(pair), _engine(pair)]
+    infos = [None, None]
+
+    def ask(i):
+        infos[i] = engine_profile(engines[i], tmp_path, say=None, **ARGS)[1]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(info["cached"] for info in infos) == [False, True]
+    assert infos[0]["path"] == infos[1]["path"]

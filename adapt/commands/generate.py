@@ -12,7 +12,9 @@ or `demo` (models/demo). `--chat MESSAGE` renders one user message with the targ
 template and stops at the template's end-of-turn token (not part of the text). With --json it
 prints one object: text, token_ids (generated only) and stats (tau = tokens per target forward
 pass, target_passes, tokens, tokens_per_s = generated tokens / wall time from prefill start to the
-last token, model loading excluded, accept_per_position, tvd_spent, ...).
+last token, model loading excluded, accept_per_position, tvd_spent, ...; dtype_choice: the dtype
+and why, cost_profile: whether the adaptive policy's cost profile was read back or timed,
+adapt/profile_cache.py).
 """
 
 from __future__ import annotations
