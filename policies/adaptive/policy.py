@@ -228,7 +228,9 @@ class AdaptivePolicy(Policy):
         measured = outcome_ms(outcome)
         source = self.costs.step_source(outcome, self.last_steps) if predicted is not None and measured > 0 else None
         self.costs.observe(outcome, measured, predicted, source)
-        step, self.step = self.step, replace(self.step, suffix_expect=None, diffusion_expect=None, suffix_pred=None)
+        step = self.step  # its expectations are learned from once
+        if step.suffix_expect is not None or step.diffusion_expect is not None or step.suffix_pred is not None:
+            self.step = replace(step, suffix_expect=None, diffusion_expect=None, suffix_pred=None)
         self.suffix.observe(step.suffix_expect, outcome.accepted)
         self.diffusion.observe(len(self.steps_grid), step.diffusion_expect, outcome.accepted, rows.temperature)
         if step.suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
