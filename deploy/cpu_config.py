@@ -10,7 +10,7 @@ taking one unit of ``--decoder-resource`` when given (``ray start --resources
 '{"decoder_slot": 1}'`` on a node: at most one replica per slot); the ``Controller`` and one
 ``Ingress`` pinned to the node that offers ``--head-resource`` when given; the proxies'
 ``--proxy-location`` and HTTP ``--host`` / ``--port``. tests/test_cluster_ray_start.py deploys
-its output onto two ``ray start`` nodes (docs/serving.md, "Deploying on a Ray cluster").
+its output onto two ``ray start`` nodes (docs/deployment.md, "Deploying on a Ray cluster").
 """
 
 from __future__ import annotations

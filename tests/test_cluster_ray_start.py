@@ -1,4 +1,4 @@
-"""A real two-node Ray cluster, as an operator runs one (docs/serving.md, "Deploying on a Ray
+"""A real two-node Ray cluster, as an operator runs one (docs/deployment.md, "Deploying on a Ray
 cluster", runs these same commands): a head node and a second node started with ``ray start``
 (separate GCS-connected raylets on this machine, each with its own ports), a real redis-server,
 ``serve deploy`` of the shipped deploy/serve_config.yaml made CPU-only by deploy/cpu_config.py,
