@@ -127,9 +127,13 @@ def key_digest(facts: dict) -> str:
 
 
 def profiles_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where stored profiles live: ``profiles/`` of the cache directory."""
+    """Where stored profiles live: ``profiles/`` of the cache directory, or ``$ADAPT_PROFILE_DIR``
+    when set and no cache directory is given (the test suite points it at a folder of its own, so
+    that tests neither read a user's profiles nor leave theirs behind)."""
     from workers.pull import cache_root
 
+    if cache_dir is None and os.environ.get("ADAPT_PROFILE_DIR"):
+        return Path(os.environ["ADAPT_PROFILE_DIR"])
     return cache_root(cache_dir) / "profiles"
 
 

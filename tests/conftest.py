@@ -20,6 +20,11 @@ import subprocess
 import tempfile
 import time
 
+# Engine cost profiles and dtype choices (adapt.profile_cache) go to a folder of this test run, not
+# the user's cache: a test never reuses a profile timed outside it, nor leaves one behind. Processes
+# the tests start (Ray workers, CLI subprocesses) inherit it.
+os.environ.setdefault("ADAPT_PROFILE_DIR", tempfile.mkdtemp(prefix="adapt-test-profiles-"))
+
 import pytest
 
 

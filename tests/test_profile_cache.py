@@ -166,6 +166,7 @@ def test_a_serving_worker_reads_the_stored_profile(pair, tmp_path, monkeypatch):
     from adapt.serving.worker_plugin import ServingPlugin
 
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ADAPT_PROFILE_DIR", raising=False)  # the test run's own folder (conftest)
     engine = _engine(pair)
     first = ServingPlugin("w0", store=None, policy="adaptive", heartbeat_s=60)
     try:
