@@ -117,12 +117,13 @@ def run_headline(h: Headline, pair: str, results: Path, quick: bool) -> dict:
     out = folder(results, h.benchmark, pair)
     argv = ["bench", h.benchmark, "--pair", pair, *(h.quick_args if quick else h.args), "--out", str(out)]
     args = build_parser().parse_args(argv)
+    code_commit = commit()  # before the run: the run rewrites tracked results files
     began = time.perf_counter()
     code = int(args.run(args) or 0)
     if code:
         raise SystemExit(f"adapt bench report: `adapt {shlex.join(argv)}` exited with {code}")
     shown = [a if a != str(out) else _shown_path(out) for a in argv]
-    meta = {"command": "adapt " + shlex.join(shown), "commit": commit(),
+    meta = {"command": "adapt " + shlex.join(shown), "commit": code_commit,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "duration_s": round(time.perf_counter() - began, 1)}
     write_meta(out, meta, h.benchmark, pair)
