@@ -23,7 +23,11 @@ import time
 # Engine cost profiles and dtype choices (adapt.profile_cache) go to a folder of this test run, not
 # the user's cache: a test never reuses a profile timed outside it, nor leaves one behind. Processes
 # the tests start (Ray workers, CLI subprocesses) inherit it.
-os.environ.setdefault("ADAPT_PROFILE_DIR", tempfile.mkdtemp(prefix="adapt-test-profiles-"))
+if "ADAPT_PROFILE_DIR" not in os.environ:
+    import atexit
+
+    os.environ["ADAPT_PROFILE_DIR"] = tempfile.mkdtemp(prefix="adapt-test-profiles-")
+    atexit.register(shutil.rmtree, os.environ["ADAPT_PROFILE_DIR"], ignore_errors=True)
 
 import pytest
 
