@@ -12,6 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     from adapt.serving.http_app import build_app
+    from tests.local_backend import WorkerBackend
     from adapt.serving.launcher import HttpServer
     from adapt.serving.worker_plugin import ServingPlugin
     from tests.tiny_models import make_tiny_pair
@@ -22,14 +23,7 @@ def server_url(tmp_path_factory):
     worker = DecoderWorker("w0", {"target": str(target), "drafter": str(drafter), "max_batch": 4, "max_len": 256},
                            plugin, num_threads=1)
 
-    class LocalBackend:
-        def stream(self, request):
-            return worker.generate(request)
-
-        async def loads(self):
-            return {}
-
-    server = HttpServer(build_app(LocalBackend(), default_max_tokens=16)).start()
+    server = HttpServer(build_app(WorkerBackend(worker), default_max_tokens=16)).start()
     yield server.url
     server.stop()
     worker.shutdown()

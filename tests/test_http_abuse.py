@@ -31,6 +31,7 @@ MAX_RUNNING, MAX_QUEUE, MAX_LEN = 4, 4, 64
 def guarded(tmp_path_factory):
     from adapt.serving.auth import ApiKeys
     from adapt.serving.http_app import build_app
+    from tests.local_backend import WorkerBackend
     from adapt.serving.launcher import HttpServer
     from adapt.serving.limits import Limits
     from adapt.serving.worker_plugin import ServingPlugin
@@ -42,14 +43,7 @@ def guarded(tmp_path_factory):
     worker = DecoderWorker("w0", {"target": str(target), "drafter": str(drafter), "max_batch": MAX_RUNNING,
                                   "max_len": MAX_LEN}, plugin, num_threads=1)
 
-    class LocalBackend:
-        def stream(self, request):
-            return worker.generate(request)
-
-        async def loads(self):
-            return worker.plugin.store.loads()
-
-    app = build_app(LocalBackend(), default_max_tokens=4, api_keys=ApiKeys(KEYS),
+    app = build_app(WorkerBackend(worker), default_max_tokens=4, api_keys=ApiKeys(KEYS),
                     limits=Limits(max_running=MAX_RUNNING, max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY))
     server = HttpServer(app).start()
     deadline = time.monotonic() + 10

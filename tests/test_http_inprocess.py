@@ -19,6 +19,7 @@ import pytest
 @pytest.fixture(scope="module")
 def local(redis_server, tmp_path_factory):
     from adapt.serving.http_app import build_app
+    from tests.local_backend import WorkerBackend
     from adapt.serving.launcher import HttpServer
     from adapt.serving.redis_store import RedisStore
     from adapt.serving.worker_plugin import ServingPlugin
@@ -32,14 +33,7 @@ def local(redis_server, tmp_path_factory):
     worker = DecoderWorker("w0", {"target": str(target), "drafter": str(drafter), "max_batch": 8, "max_len": 256},
                            plugin, num_threads=1)
 
-    class LocalBackend:
-        def stream(self, request):
-            return worker.generate(request)
-
-        async def loads(self):
-            return store.loads()
-
-    server = HttpServer(build_app(LocalBackend(), default_max_tokens=16)).start()
+    server = HttpServer(build_app(WorkerBackend(worker, store), default_max_tokens=16)).start()
     yield server.url, worker, store
     server.stop()
     worker.shutdown()

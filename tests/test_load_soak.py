@@ -15,6 +15,7 @@ import pytest
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     from adapt.serving.http_app import build_app
+    from tests.local_backend import WorkerBackend
     from adapt.serving.launcher import HttpServer
     from adapt.serving.worker_plugin import ServingPlugin
     from tests.tiny_models import make_tiny_pair
@@ -25,14 +26,7 @@ def server_url(tmp_path_factory):
     worker = DecoderWorker("w0", {"target": str(target), "drafter": str(drafter), "max_batch": 4, "max_len": 256},
                            plugin, num_threads=1)
 
-    class LocalBackend:
-        def stream(self, request):
-            return worker.generate(request)
-
-        async def loads(self):
-            return worker.plugin.store.loads()
-
-    server = HttpServer(build_app(LocalBackend(), model_name="adapt-tiny", default_max_tokens=16)).start()
+    server = HttpServer(build_app(WorkerBackend(worker), model_name="adapt-tiny", default_max_tokens=16)).start()
     yield server.url
     server.stop()
     worker.shutdown()

@@ -31,6 +31,7 @@ TOKENS = 48
 
 def _serve(target: Path, drafter: Path, policy: str, max_batch: int):
     from adapt.serving.http_app import build_app
+    from tests.local_backend import WorkerBackend
     from adapt.serving.launcher import HttpServer
     from adapt.serving.worker_plugin import ServingPlugin
     from workers.ray_worker import DecoderWorker
@@ -39,14 +40,7 @@ def _serve(target: Path, drafter: Path, policy: str, max_batch: int):
     worker = DecoderWorker("w0", {"target": str(target), "drafter": str(drafter), "dtype": "float32",
                                   "max_batch": max_batch, "max_len": 256}, plugin, num_threads=1)
 
-    class LocalBackend:
-        def stream(self, request):
-            return worker.generate(request)
-
-        async def loads(self):
-            return worker.plugin.store.loads()
-
-    server = HttpServer(build_app(LocalBackend(), default_max_tokens=16)).start()
+    server = HttpServer(build_app(WorkerBackend(worker), default_max_tokens=16)).start()
     return server, worker
 
 
