@@ -36,26 +36,12 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
+from tests.ray_processes import processes_under, with_descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SLA = {"X-SLA-TPOT-Ms": "500", "X-SLA-Quality": "lossless", "X-SLA-Priority": "high"}
 pytestmark = pytest.mark.slow
-
-
-def _cluster_processes(tmpdir: str) -> set[psutil.Process]:
-    roots = [p for p in psutil.process_iter(["cmdline"]) if tmpdir in " ".join(p.info["cmdline"] or [])]
-    return _with_descendants(roots)
-
-
-def _with_descendants(roots) -> set[psutil.Process]:
-    procs = set(roots)
-    for root in roots:
-        try:
-            procs.update(root.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    return procs
 
 
 def _kill(procs, sig=signal.SIGKILL) -> None:
@@ -112,10 +98,10 @@ class RayCluster:
                    if self.tmpdir in " ".join(p.info["cmdline"] or [])
                    and f"--node_manager_port={self.node_manager_port}" in (p.info["cmdline"] or [])]
         assert len(raylets) == 1, raylets
-        return _with_descendants(raylets)
+        return with_descendants(raylets)
 
     def stop(self) -> None:
-        _kill(_cluster_processes(self.tmpdir))
+        _kill(processes_under(self.tmpdir))
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
+from tests.ray_processes import processes_under
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,15 +40,8 @@ def ray_tmpdir():
 def _ray_processes(tmpdir: str) -> list[str]:
     """Command lines of the processes that run under the Ray temp directory `tmpdir`, and of
     their children (Ray's workers name themselves ``ray::...``)."""
-    roots = [p for p in psutil.process_iter(["cmdline"]) if tmpdir in " ".join(p.info["cmdline"] or [])]
-    procs = set(roots)
-    for root in roots:
-        try:
-            procs.update(root.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
     out = []
-    for proc in procs:
+    for proc in processes_under(tmpdir):
         try:
             out.append(" ".join(proc.cmdline())[:200])
         except psutil.NoSuchProcess:
