@@ -2,8 +2,10 @@
 
 Words used here:
 - **machine facts**: what decides how fast a step runs besides the model: the CPU's model name and
-  the instruction sets torch's kernels pick from (`CAPABILITY_FLAGS`), torch's thread count and
-  version, and the GPU's name where the engine runs on one.
+  the instruction sets torch's kernels pick from (`CAPABILITY_FLAGS`), the capability this process
+  really uses (`workers.cpu_capability`: lowered by ``ATEN_CPU_CAPABILITY`` or
+  ``ONEDNN_MAX_CPU_ISA``), torch's thread count and version, and the GPU's name where the engine
+  runs on one.
 - **model digest**: a cheap fingerprint of a model directory: the name, size and modification
   time of each weights and config file (no weights are read; a retrained or replaced model
   changes it).
@@ -70,16 +72,17 @@ def _cpuinfo() -> dict[str, str]:
 
 @functools.cache
 def cpu_facts() -> dict[str, Any]:
-    """{"cpu": model name, "flags": the `CAPABILITY_FLAGS` this CPU has, "torch_capability": the
-    vector ISA torch's kernels dispatch to (e.g. AVX512, AVX2)}."""
+    """{"cpu": model name, "flags": the `CAPABILITY_FLAGS` this CPU has, and this process's
+    effective capability (`workers.cpu_capability.effective_capability`): "torch_capability" (the
+    vector ISA torch's kernels dispatch to, e.g. AVX512, AVX2), "onednn_isa_limit",
+    "native_bf16", "limited_by" (the environment variables that lower it)}. The flags alone would
+    let a run under ``ATEN_CPU_CAPABILITY=avx2`` reuse a profile timed with AVX-512 kernels."""
+    from workers.cpu_capability import effective_capability
+
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001 - older torch
-        capability = "unknown"
     return {"cpu": info.get("model name") or platform.processor() or platform.machine(),
-            "flags": [f for f in CAPABILITY_FLAGS if f in flags], "torch_capability": capability}
+            "flags": [f for f in CAPABILITY_FLAGS if f in flags], **effective_capability()}
 
 
 def machine_facts(device: torch.device | str = "cpu") -> dict[str, Any]:

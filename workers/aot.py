@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from workers.atomic_file import write_text_atomic
+from workers.cpu_capability import capability_label
 from workers.pull import cache_root
 
 PACKAGE_FORMAT = 1
@@ -103,14 +104,15 @@ def weights_digest(target: nn.Module) -> str:
 
 
 def _shared_facts(sources: tuple[str, ...], cache) -> dict:
-    """What every package depends on: its format, torch's version, the device and the CPU's vector
-    capability, the cache it runs over and the source of the code it compiled (`sources`, in
-    workers/)."""
+    """What every package depends on: its format, torch's version, the device and the CPU's
+    effective capability (`workers.cpu_capability`: inductor generates code for
+    ``ATEN_CPU_CAPABILITY``'s ISA, oneDNN runs under ``ONEDNN_MAX_CPU_ISA``), the cache it runs over
+    and the source of the code it compiled (`sources`, in workers/)."""
     here = Path(__file__).resolve().parent
     src = hashlib.sha256(b"".join((here / name).read_bytes() for name in sources)).hexdigest()
     k0 = cache.k[0]
     return {"format": PACKAGE_FORMAT, "torch": torch.__version__, "device": k0.device.type,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "layers": len(cache.k),
+            "cpu_capability": capability_label(), "layers": len(cache.k),
             "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": src}
 
 

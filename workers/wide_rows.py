@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from workers.atomic_file import write_text_atomic
+from workers.cpu_capability import capability_label
 from workers.linear import Fusable, ShapeAwareLinear, wants_wide_shadow
 
 __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
@@ -132,8 +133,10 @@ def calibrate_wide_rows(*modules: nn.Module, candidates: tuple[int, ...] = CANDI
 
 
 def _key(shape: tuple[int, int], layers: int, dtype: torch.dtype, candidates: tuple[int, ...]) -> str:
-    """What a stored crossover is valid for: this CPU, torch, threads, the shape and its layers."""
-    return "|".join([_cpu_name(), torch.__version__, f"threads={torch.get_num_threads()}", str(dtype),
+    """What a stored crossover is valid for: this CPU and the capability its kernels run at
+    (`workers.cpu_capability`: ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` change which kernels
+    the two paths run), torch, threads, the shape and its layers."""
+    return "|".join([_cpu_name(), capability_label(), torch.__version__, f"threads={torch.get_num_threads()}", str(dtype),
                      f"{shape[0]}x{shape[1]}x{layers}", "rows=" + ",".join(map(str, candidates))])
 
 

@@ -3,7 +3,8 @@
     adapt info            # a readable summary
     adapt info --json     # the same as one JSON object
 
-Prints the machine's capability (CPU model, the instruction sets torch's kernels use, cores and
+Prints the machine's capability (CPU model, the instruction sets torch's kernels and oneDNN
+really use, and the environment variables that limit them: workers/cpu_capability.py; cores and
 torch threads, torch version, CUDA devices), the dtype and step backend `adapt generate` would
 use for the pair and why (a measured `--dtype auto` choice, adapt/dtype_choice.py; the compiled
 packages `--compile auto` loads, workers/aot.py), and what the cache directory holds: pulled
@@ -103,10 +104,15 @@ def report(args) -> dict:
 
 def _text(info: dict) -> str:
     m, c, k = info["machine"], info["chosen"], info["cache"]
+    limited = m.get("limited_by") or {}
     lines = [f"machine: {m['cpu']} ({m['cores']} cores, torch {m['torch']} on {m['torch_threads']} threads, "
-             f"kernels {m['torch_capability']})",
+             f"kernels {m['torch_capability']}"
+             + (f", oneDNN limited to {m['onednn_isa_limit']}" if m.get("onednn_isa_limit") else "") + ")",
              f"  flags: {' '.join(m['flags']) or 'none of ' + 'avx2/avx512/amx'}; native bf16 matmuls: "
              f"{'yes' if m['native_bf16_matmul'] else 'no'}",
+             *([f"  capability limited by the environment ({' '.join(f'{k}={v}' for k, v in limited.items())}): "
+                f"this process runs below the CPU's flags, and profiles, dtype choices and packages are kept "
+                f"apart for it"] if limited else []),
              f"  cuda: {', '.join(m['cuda']) or 'none'}",
              f"pair {c['pair']}: target {c['target']}",
              f"  dtype: {c['dtype']['dtype'] or '-'}: {c['dtype']['why']}",

@@ -1,0 +1,83 @@
+"""The effective CPU capability (workers/cpu_capability.py) is part of every key of something timed
+or built per machine: a process run under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``
+(what an AVX2-only CPU runs) never reads a cost profile, dtype choice, wide-row crossover or
+compiled package made at the CPU's full capability. Each key is computed in a subprocess, with and
+without the variables, since the libraries read them once at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+LIMIT = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+KEYS = f"""
+import json, torch
+from workers.kv_cache import KVCache
+from adapt.dtype_choice import choice_facts
+from adapt.profile_cache import key_digest, machine_facts
+from workers.aot import _shared_facts, SOURCES
+from workers.cpu_capability import capability_label, effective_capability
+from workers.wide_rows import _key
+torch.set_num_threads(1)
+cache = KVCache(num_layers=2, max_batch=1, kv_heads=1, max_len=8, head_dim=4)
+print(json.dumps({{
+    "capability": effective_capability(), "label": capability_label(),
+    "profile": key_digest(machine_facts("cpu")),
+    "dtype_choice": key_digest(choice_facts("{DEMO / 'target'}", "{DEMO / 'drafter'}")),
+    "wide_rows": _key((1536, 576), 30, torch.bfloat16, (6, 8)),
+    "aot": _shared_facts(SOURCES, cache)["cpu_capability"],
+}}))
+"""
+
+
+def _keys(**env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                               "DNNL_MAX_CPU_ISA")}
+    out = subprocess.run([sys.executable, "-c", KEYS], env={**clean, **env}, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return _keys(), _keys(**LIMIT)
+
+
+def test_the_limited_process_reports_its_capability_and_what_limits_it(keys):
+    full, limited = keys
+    assert limited["capability"]["torch_capability"] == "AVX2"
+    assert limited["capability"]["limited_by"] == LIMIT and limited["capability"]["onednn_isa_limit"] == "AVX2"
+    assert limited["capability"]["native_bf16"] is False  # oneDNN limited to AVX2 has no bf16 dot products
+    assert full["capability"]["limited_by"] == {} and full["capability"]["onednn_isa_limit"] is None
+    assert limited["label"] == "AVX2 onednn=AVX2" and full["label"] == full["capability"]["torch_capability"]
+
+
+@pytest.mark.parametrize("key", ["profile", "dtype_choice", "wide_rows", "aot"])
+def test_every_per_machine_key_differs_under_the_limit(keys, key):
+    full, limited = keys
+    assert full[key] != limited[key]
+
+
+def test_the_keys_are_stable_without_the_limit(keys):
+    assert _keys() == keys[0]
+
+
+def test_adapt_info_shows_the_effective_capability_and_what_limits_it(tmp_path):
+    env = {**os.environ, **LIMIT}
+    cmd = [sys.executable, "-m", "adapt.cli", "info", "--pair", "demo", "--cache-dir", str(tmp_path)]
+    text = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "kernels AVX2, oneDNN limited to AVX2" in text
+    assert "limited by the environment (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)" in text
+    info = json.loads(subprocess.run(cmd + ["--json"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                     check=True).stdout)
+    assert info["machine"]["torch_capability"] == "AVX2" and info["machine"]["limited_by"] == LIMIT
+    assert info["machine"]["native_bf16_matmul"] is False
