@@ -239,7 +239,8 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
     grid_rows = [r for r in row_grid if r <= max_b] or [1, 2]
     if len(grid_rows) < 2:
         grid_rows = [1, 2]
-    short = None if draft_fn is None or engine.compiled else (lambda rows: draft_fn(rows, 1))  # compiled: whole blocks
+    # a backend without partial spans (torch.compile) runs whole blocks only
+    short = None if draft_fn is None or not engine.backend.partial_span else (lambda rows: draft_fn(rows, 1))
     cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync,
                              short_draft_fn=short, block=K, shuffle_seed=0 if shuffle else None)
     if overhead_steps > 0:

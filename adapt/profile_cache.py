@@ -109,11 +109,10 @@ def model_digest(path: str | os.PathLike | None) -> str | None:
 
 
 def step_backend(engine) -> str:
-    """How ``engine``'s decode steps run: "aot+drafter" (compiled packages of both models), "aot"
-    (the target's package, eager drafter passes), "compiled" (torch.compile) or "eager"."""
-    if getattr(engine, "aot", False):
-        return "aot+drafter" if "drafter" in getattr(engine, "aot_info", {}) else "aot"
-    return "compiled" if getattr(engine, "compiled", False) else "eager"
+    """How ``engine``'s decode steps run (`workers.backends.StepBackend.label`): "aot+drafter"
+    (compiled packages of both models), "aot" (the target's package, eager drafter passes),
+    "compiled" (torch.compile) or "eager"."""
+    return engine.backend.label
 
 
 def engine_facts(engine) -> dict[str, Any]:

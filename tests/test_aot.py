@@ -17,8 +17,8 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import (MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass, compile_options,
-                         list_packages, package_dir)
+from workers.aot import (MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass, list_packages,
+                         package_dir)
 from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.kv_cache import KVCache
 from workers.request import DecodeKnobs, SamplingParams
@@ -43,8 +43,8 @@ def built(tmp_path_factory):
 
 def test_the_engine_builds_its_package_and_decodes_through_it(built):
     target, drafter, cache, engine = built
-    info = engine.aot_info
-    assert engine.aot and isinstance(engine.target_forward, AotTarget)
+    info = engine.backend.info
+    assert engine.backend.name == "aot" and isinstance(engine.target_forward, AotTarget)
     assert info["built"] and info["build_s"] > 0 and info["key"] in info["path"]
     assert info["path"].startswith(str(package_dir(cache)))
     assert not engine.pack  # verification is padded: the program runs it whole
@@ -219,10 +219,11 @@ def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
     target, drafter, cache, engine = built
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
     again = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=3, max_len=96,
-                                **compile_options("auto")))
-    assert again.aot and not again.aot_info["built"] and again.aot_info["path"] == engine.aot_info["path"]
-    assert again.aot_info["drafter"] == {**engine.aot_info["drafter"], "built": False, "build_s": 0.0,
-                                         "load_s": again.aot_info["drafter"]["load_s"]}
+                                compile="auto"))
+    first, info = engine.backend.info, again.backend.info
+    assert again.backend.name == "aot" and again.backend.label == "aot+drafter" and not again.backend.builds
+    assert not info["built"] and info["path"] == first["path"]
+    assert info["drafter"] == {**first["drafter"], "built": False, "build_s": 0.0, "load_s": info["drafter"]["load_s"]}
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     a = run_to_completion(engine, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
     b = run_to_completion(again, [("a", [4, 2, 6], params, DecodeKnobs(draft_len=4))])
@@ -233,8 +234,9 @@ def test_without_a_package_auto_decodes_eagerly_and_builds_nothing(built, monkey
     target, drafter, cache, _ = built
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
     other = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=2, max_len=96,
-                                **compile_options("auto")))  # another shape: its package is not built
-    assert not other.aot and other.aot_info == {} and not isinstance(other.target_forward, AotTarget)
+                                compile="auto"))  # another shape: its package is not built
+    assert other.backend.name == "eager" and other.backend.info == {}  # the missing package's fallback
+    assert not isinstance(other.target_forward, AotTarget)
     assert other.pack and other.drafting.program is None and other.drafting.writer is None  # eager CPU engines pack their verification
     assert len(list_packages(cache)) == 3
     out = run_to_completion(other, [("e", [5, 3, 7], SamplingParams(max_tokens=6, ignore_eos=True), DecodeKnobs())])
@@ -265,20 +267,15 @@ def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
                  "--max-batch", "3", "--max-len", "96"]) == 0
     [line] = capsys.readouterr().out.strip().splitlines()
     report = json.loads(line)  # the module's package, found: nothing is built again
-    assert report["max_batch"] == 3 and not report["built"] and report["path"] == engine.aot_info["path"]
+    assert report["max_batch"] == 3 and not report["built"] and report["path"] == engine.backend.info["path"]
     assert main(["compile", "--list"]) == 0
     listed = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert [x["path"] for x in listed] == [engine.aot_info[k]["path"] if k else engine.aot_info["path"]
+    assert [x["path"] for x in listed] == [engine.backend.info[k]["path"] if k else engine.backend.info["path"]
                                            for k in (None, "drafter", "context")]
     assert main(["compile", "--max-batch", "0"]) == 2
     assert "--max-batch" in capsys.readouterr().err
     assert main(["compile", "--clear"]) == 0
     assert "removed 3 package" in capsys.readouterr().out and list_packages(cache) == []
-
-
-def test_compile_options_of_the_clis():
-    assert compile_options("auto") == {"compile": "aot", "aot_build": False}
-    assert compile_options("aot") == {"compile": "aot"} and compile_options("off") == {"compile": "off"}
 
 
 def test_a_request_joining_a_slot_with_non_finite_drafter_context_drafts_finite_laws(built):

@@ -13,7 +13,7 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.compiled import CompiledTarget, resolve_compile
+from workers.compiled import CompiledTarget
 from workers.decisions import StaticDecisions
 from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
@@ -125,20 +125,11 @@ def test_compiled_forward_matches_the_eager_one(warmed):
                 torch.testing.assert_close(got_k[i], cache.k[i][:B], rtol=1e-5, atol=1e-5)
 
 
-def test_resolve_compile():
-    assert resolve_compile("auto", torch.device("cpu")) is True
-    assert resolve_compile("auto", torch.device("cuda")) is False
-    assert resolve_compile("on", "cuda") is True and resolve_compile("off", "cpu") is False
-    assert resolve_compile(True, "cpu") is True and resolve_compile(False, "cpu") is False
-    with pytest.raises(ValueError, match="compile"):
-        resolve_compile("fast", "cpu")
-
-
 def test_eager_engine_does_not_compile(tmp_path):
     target, drafter = make_tiny_pair(tmp_path, vocab=16, seed=3)
     engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="float32", max_batch=2, max_len=64),
                     decisions=StaticDecisions())
-    assert not engine.compiled and not isinstance(engine.target_forward, CompiledTarget)
+    assert engine.backend.name == "eager" and not isinstance(engine.target_forward, CompiledTarget)
     assert engine.warm_up() == {"seconds": 0.0, "steps": 0}
 
 

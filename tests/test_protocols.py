@@ -24,7 +24,7 @@ def test_the_engine_has_what_the_worker_uses(tmp_path):
     engine = Engine(EngineConfig(target=str(target), drafter=str(drafter), max_batch=2, max_len=128))
     for name in sorted(_members(DecoderEngine)):
         assert inspect.getattr_static(engine, name, None) is not None, name  # static: no tokenizer load
-    assert engine.block == 16 and engine.config.max_batch == 2 and engine.compiled is False
+    assert engine.block == 16 and engine.config.max_batch == 2 and engine.backend.name == "eager"
 
 
 def test_the_serving_plugin_satisfies_the_contract():

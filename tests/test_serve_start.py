@@ -20,10 +20,13 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 def test_serve_auto_means_a_built_package_or_eager():
-    from adapt.commands.serve import serve_compile
+    from adapt.cli import build_parser
+    from workers.backends import resolve_backend
 
-    assert serve_compile("auto") == {"compile": "aot", "aot_build": False}  # never compiles before serving
-    assert [serve_compile(c) for c in ("on", "off", "aot")] == [{"compile": c} for c in ("on", "off", "aot")]
+    args = build_parser().parse_args(["serve"])
+    backend = resolve_backend(args.compile, "cpu")  # what each worker's engine makes of the default
+    assert args.compile == "auto" and backend.name == "aot"
+    assert not backend.builds and not backend.needs_warm_up  # never builds or compiles before serving
 
 
 def test_adapt_serve_demo_pair_is_healthy_within_60_s(tmp_path):

@@ -471,15 +471,6 @@ def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: 
     return runner, info
 
 
-def compile_options(choice: str) -> dict:
-    """`EngineConfig` settings for the CLIs' `--compile` choice: `auto` = the compiled package
-    when one is built for this model and engine shape, else eager steps (never a build at start);
-    `aot` = the package, built first when missing; `on` / `off` as `EngineConfig.compile`."""
-    if choice == "auto":
-        return {"compile": "aot", "aot_build": False}
-    return {"compile": choice}
-
-
 def _facts_files(folder: Path, prefix: str) -> list[dict]:
     """The facts written beside each `prefix` package in `folder` (`package_facts` or
     `draft_facts`, plus "built_s")."""

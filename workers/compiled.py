@@ -47,20 +47,8 @@ import types
 import torch
 from torch import nn
 
-from workers.request import COMPILE_CHOICES
-
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 RECOMPILE_LIMIT = 64  # programs per compiled function (torch's default of 8 is too few)
-
-
-def resolve_compile(value: bool | str, device: torch.device) -> bool:
-    """An engine's `compile` setting as a bool: "auto" is on for CPU devices (where it is
-    measured: docs/cpu-performance.md, "Compiled decode steps") and off elsewhere."""
-    if isinstance(value, bool):
-        return value
-    if value not in COMPILE_CHOICES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)} (or a bool), got {value!r}")
-    return value == "on" or (value == "auto" and torch.device(device).type == "cpu")
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ not depend on the rest of the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -42,8 +43,9 @@ import torch
 from kernels import RaggedLayout, Rule
 from kernels.rules import enforce_rules, exact_rules
 from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
+from workers.backends import resolve_backend
 from workers.commit import advance, emit, remaining, request_stats, trace_record
-from workers.compiled import CompiledTarget, compile_forward, mark_static, resolve_compile, warm_up
+from workers.compiled import CompiledTarget, compile_forward, mark_static, warm_up
 from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
 from workers.decode_log import DecodeLog
 from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
@@ -80,16 +82,18 @@ class EngineConfig:
     the two paths, timed at start-up (workers/wide_rows.py: ~4 s on SmolLM2, once per machine,
     kept in the cache directory; `Engine.wide_table` holds the answer), or one int for every
     layer (`WIDE_ROWS` = 10 was the constant before);
-    compile: "on" | "off" | "auto" (on for CPU devices), or a bool: run the target's decode
-    forwards and the drafter's denoising pass as compiled programs (workers/compiled.py; call
-    `warm_up()` before serving, or the first steps of each kind compile on the spot); or "aot":
-    run the target's decode forwards from an ahead-of-time compiled package in the cache
-    directory (workers/aot.py: loaded in about a second; `Engine.aot_info` says which);
+    compile: the step backend (workers/backends.py, `Engine.backend`): "off" (or False) = eager;
+    "on" (or True) = the target's decode forwards and the drafter's denoising pass as
+    torch.compile programs (workers/compiled.py; call `warm_up()` before serving, or the first
+    steps of each kind compile on the spot); "aot" = the target's decode forwards (and the
+    drafter's passes) from ahead-of-time compiled packages in the cache directory (workers/aot.py:
+    loaded in about a second; `Engine.backend.info` says which); "auto" = "aot" that never builds:
+    the packages when built, else eager steps (the default of `adapt generate` and `adapt serve`);
     aot_build: with "aot", build the package when it is missing (minutes, once per machine and
-    engine shape), else decode eagerly when it is missing (what `adapt serve` and `adapt generate`
-    do by default, so that `adapt compile` once makes them faster); aot_pad: with "aot" on a
+    engine shape), else decode eagerly when it is missing (what "auto" does, so that
+    `adapt compile` once makes `adapt serve` and `adapt generate` faster); aot_pad: with "aot" on a
     CPU, measure at load whether decode calls of very few tokens run faster padded to a few more
-    (`AotTarget.calibrate_padding`, ~1.5 s; `aot_info["pad"]`) and pad those that do (off by
+    (`AotTarget.calibrate_padding`, ~1.5 s; `backend.info["pad"]`) and pad those that do (off by
     default: faster steps at one row, but the adaptive policy's choices at 2 and 8 rows lost ~7 %
     with it, docs/engine.md); aot_draft_subsets: with "aot", drafter passes over a subset of the
     batch's rows (some rows draft by diffusion, others copy or decode plainly) of at most this
@@ -106,7 +110,8 @@ class EngineConfig:
     their projections, MLPs and LM head only on the positions rows really verify (each row's
     anchor and k_r drafts) instead of the batch padded to its longest row (`TargetModel.forward`'s
     `packed`); auto = on for eager CPU engines, where the forward is compute-bound and padding
-    costs as much as real positions (off when compiled: the compiled programs are padded);
+    costs as much as real positions (`StepBackend.packs_verify`: off for compiled programs and
+    packages, which are padded);
     prefills of prompts of unequal lengths are packed the same way; admission: "all" | "sla",
     which waiting requests a step prefills (workers/admission.py: "all" = every one there is a
     slot for; "sla" = defer them while their prefill would push a running row off its TPOT
@@ -157,9 +162,9 @@ class Engine:
         dev = config.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.compiled = resolve_compile(config.compile, self.device)
-        self.aot = config.compile == "aot"  # the decode forward from a compiled package (workers/aot.py)
-        self.aot_info: dict = {}  # its path, key and build / load seconds (empty: no package)
+        # how the decode steps run and what that allows (workers/backends.py); an "aot" backend
+        # whose target package is missing becomes eager in `_load_aot`
+        self.backend = resolve_backend(config.compile, self.device, build=config.aot_build)
         if config.admission not in ADMISSION_MODES:
             raise EngineInputError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {config.admission!r}")
         if not config.admission_max_wait_ms >= 0:
@@ -200,7 +205,7 @@ class Engine:
         # {(out, in): rows} of the weight shapes whose wide threshold was timed here (empty where
         # no matmul takes the wide fp32 path: fp32 weights, a GPU, a CPU with native bf16)
         self.wide_table: dict[tuple[int, int], int] = {}
-        if auto_wide and wide_rows is not None and not self.compiled:
+        if auto_wide and wide_rows is not None and self.backend.times_wide_rows:
             from workers.wide_rows import calibrate_wide_rows
 
             heads = [] if self.drafter is None or self.drafter.draft_head is None else [self.drafter.draft_head]
@@ -212,31 +217,30 @@ class Engine:
         cap = self.max_len + self.width + 1  # room for speculative writes past max_len
         self.tcache = self.target.new_cache(config.max_batch, cap)
         # target_forward(ids, start, cache, row0, width, logits_index=None, start_value=None):
-        # the target's forward with this engine's captured layers; compiled with `compile`
+        # the target's forward with this engine's captured layers, run by the step backend
         self.target_forward = functools.partial(self.target, capture=self.capture)
-        if self.compiled:
+        if self.backend.name == "compiled":
             self.target_forward = CompiledTarget(self.target, self.capture)
-        elif self.aot:  # decode calls up to the widest verify (anchor + drafts) run the package
-            self._load_aot(config.aot_build)
+        elif self.backend.name == "aot":  # decode calls up to the widest verify (anchor + drafts) run the package
+            self._load_aot()
         # packed verification: eager CPU engines only (compiled programs and packages are padded)
-        self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.device.type == "cpu"
-                                                     and not self.compiled and not self.aot)
+        self.pack = config.pack in (True, "on") or (config.pack == "auto" and self.backend.packs_verify)
         self.drafting = None  # the drafter context cache and the denoising loop (workers/drafting.py)
         if self.drafter is not None:
             # draft_pass(tokens, masked, ctx_kv, mask, cos, sin): one denoising pass (`block_logits`);
             # context_kv(hidden, positions): the drafter-context K/V of stashed target hidden states
             draft_pass = self.drafter.block_logits
             context_kv = functools.partial(self.drafter.context_kv, bound=cap)
-            if self.compiled:
+            if self.backend.name == "compiled":
                 draft_pass = compile_forward(self.drafter, "block_logits")
                 context_kv = compile_forward(self.drafter, "context_kv", bound=cap)
             self.drafting = DrafterContext(self.drafter, context_kv, draft_pass, config.max_batch, cap,
                                            len(self.capture) * tcfg.hidden_size, self.dtype, self.device,
                                            temperature_scale=config.draft_temperature_scale,
                                            subset_rows=config.aot_draft_subsets)
-            if self.aot:  # the denoising passes over every row from the drafter's package
-                self._load_aot_drafter(config.aot_build)
-        if self.compiled:  # the buffers' shapes are constants of the compiled programs
+            if self.backend.name == "aot":  # the denoising passes over every row from the drafter's package
+                self._load_aot_drafter()
+        if self.backend.needs_warm_up:  # the buffers' shapes are constants of the compiled programs
             mark_static(*self.tcache.k, *self.tcache.v)
             if self.drafting is not None:
                 mark_static(*self.dcache.k, *self.dcache.v)
@@ -257,40 +261,42 @@ class Engine:
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self._tokenizer = None
 
-    def _load_aot(self, build: bool) -> None:
+    def _load_aot(self) -> None:
         """The target's decode forward from its compiled package (workers/aot.py), built first when
-        missing if `build`; else, when missing, eager decoding (and a hint how to build it)."""
+        missing if the backend `builds`; else, when missing, eager decoding (and a hint how to
+        build it): the backend becomes eager."""
         from workers.aot import aot_target
 
         log = logging.getLogger(__name__)
         try:
-            self.target_forward, self.aot_info = aot_target(self.target, self.capture, self.tcache, self.width + 1,
-                                                            build=build, log=log.warning)
+            self.target_forward, info = aot_target(self.target, self.capture, self.tcache, self.width + 1,
+                                                   build=self.backend.builds, log=log.warning)
             if self.device.type == "cpu" and self.config.aot_pad:  # few-token calls run padded where faster
-                self.aot_info["pad"] = self.target_forward.calibrate_padding()
+                info["pad"] = self.target_forward.calibrate_padding()
+            self.backend = dataclasses.replace(self.backend, info=info)
         except FileNotFoundError as err:
             log.info("eager decode steps: %s", err)
-            self.aot = False
+            self.backend = resolve_backend("off", self.device)
 
-    def _load_aot_drafter(self, build: bool) -> None:
+    def _load_aot_drafter(self) -> None:
         """The drafter's denoising pass and its context commit from their compiled packages
-        (`aot_info["drafter"]`, `aot_info["context"]`), built first when missing if `build`; else,
-        when missing, eager passes / commits."""
+        (`backend.info["drafter"]`, `backend.info["context"]`), built first when missing if the
+        backend `builds`; else, when missing, eager passes / commits."""
         from workers.aot import aot_context_write, aot_draft_pass
 
         log = logging.getLogger(__name__)
-        d = self.drafting
+        d, build, info = self.drafting, self.backend.builds, dict(self.backend.info)
         try:
-            d.program, self.aot_info["drafter"] = aot_draft_pass(self.drafter, d.cache, self.block + 1, build=build,
-                                                                 log=log.warning)
+            d.program, info["drafter"] = aot_draft_pass(self.drafter, d.cache, self.block + 1, build=build,
+                                                        log=log.warning)
         except FileNotFoundError as err:
             log.info("eager drafter passes: %s", err)
         try:
-            d.writer, self.aot_info["context"] = aot_context_write(self.drafter, d.cache, PENDING_WINDOW,
-                                                                   d.pending.shape[-1], d.pending.dtype,
-                                                                   build=build, log=log.warning)
+            d.writer, info["context"] = aot_context_write(self.drafter, d.cache, PENDING_WINDOW, d.pending.shape[-1],
+                                                          d.pending.dtype, build=build, log=log.warning)
         except FileNotFoundError as err:
             log.info("eager drafter-context commits: %s", err)
+        self.backend = dataclasses.replace(self.backend, info=info)
 
     @property
     def dcache(self):
@@ -304,8 +310,9 @@ class Engine:
 
     def warm_up(self) -> dict:
         """Compile every call pattern of the compiled forward now, on throwaway requests
-        (`workers.compiled.warm_up`); a no-op without `compile`. Call before serving."""
-        if not self.compiled:
+        (`workers.compiled.warm_up`); a no-op unless the step backend `needs_warm_up`. Call before
+        serving."""
+        if not self.backend.needs_warm_up:
             return {"seconds": 0.0, "steps": 0}
         if self.running or self.waiting:
             raise EngineInputError("warm_up: the engine has requests; warm up before adding any")
@@ -520,7 +527,7 @@ class Engine:
         engine (its drafter programs have the block's shape) or when no row drafts by diffusion."""
         K = self.block
         ask = getattr(self.decisions, "draft_span", None)
-        if ask is None or self.compiled or not any(s > 0 for s in steps_host):
+        if ask is None or not self.backend.partial_span or not any(s > 0 for s in steps_host):
             return K
         span = int(ask(rows, steps_host))
         if pins is not None:

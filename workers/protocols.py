@@ -36,8 +36,7 @@ class DecoderEngine(Protocol):
     decisions: Any  # the DecisionMaker (workers.decisions), swapped between steps on hot reload
     block: int      # the drafter's block size K (0: autoregressive only)
     max_len: int    # prompt + generated tokens per request
-    compiled: bool  # decode steps run as compiled programs
-    aot_info: dict  # the compiled package the decode steps run from (workers/aot.py); empty: none
+    backend: Any    # the step backend (workers.backends.StepBackend): name, capabilities, packages loaded
     config: Any     # the EngineConfig; ``config.max_batch``: requests decoded at once
 
     @property

@@ -217,7 +217,7 @@ class DecoderWorker:
     # -- actor methods ------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "node": _node_id(),
-                "compiled": self.engine.compiled, "warm_up": self.warm_up, "aot": self.engine.aot_info,
+                "backend": self.engine.backend.facts(), "warm_up": self.warm_up,
                 "max_batch": self.engine.config.max_batch, "max_len": self.engine.max_len}
 
     def load(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMPILE_CHOICES = ("auto", "on", "off", "aot")  # EngineConfig.compile and the CLIs' --compile (workers/compiled.py)
+COMPILE_CHOICES = ("auto", "on", "off", "aot")  # EngineConfig.compile and the CLIs' --compile (workers/backends.py)
 
 
 class EngineInputError(ValueError):

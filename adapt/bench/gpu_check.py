@@ -358,7 +358,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="drafter directory (overrides --pair)")
     p.add_argument("--dtype", default="auto", help="dtype of the speed, cost and sync engines (exactness: float32)")
     p.add_argument("--compile", default="off", choices=("auto", "on", "off"),
-                   help="compile setting of the speed, cost and sync engines (the `compiled` section runs 'on')")
+                   help="compile setting of the speed, cost and sync engines (workers/backends.py: auto = a built "
+                        "package, else eager; the `compiled` section runs 'on')")
     p.add_argument("--sections", default="all", help=f"comma-separated, of {', '.join(SECTIONS)} (default all; "
                                                      "on CPU with --quick all but compiled)")
     p.add_argument("--speed-rows", default="adapt,adapt-ar,hf", help="rows of the speed section")

@@ -299,7 +299,7 @@ def section_cost(ctx) -> dict:
     seconds = time.perf_counter() - t0
     data = cost.to_dict()
     data["profile"] = {"device": ctx.device_name, "dtype": str(engine.dtype).removeprefix("torch."),
-                       "pair": ctx.pair, "block": K, "max_batch": max_b, "compile": engine.compiled,
+                       "pair": ctx.pair, "block": K, "max_batch": max_b, "backend": engine.backend.label,
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (ctx.out / "cost_model.json").write_text(json.dumps(data, indent=1))
     ctx.shared["cost"] = cost
@@ -479,10 +479,11 @@ def section_syncs(ctx) -> dict:
 # -- (7) compiled decode steps ----------------------------------------------------------------
 def section_compiled(ctx) -> dict:
     """The engine's compiled decode steps (`compile="on"`: torch.compile/inductor; the engine has no
-    CUDA-graph path, and `compile="auto"` leaves them off on CUDA): warm-up time, then the speed
-    plan's batches for `adapt` and `adapt-ar`, with agreement against the eager rows of the speed
-    section (bf16 numerics differ between compiled and eager programs, so agreement, not equality)."""
-    from workers.compiled import resolve_compile
+    CUDA-graph path, and `compile="auto"` loads a built package or runs eager steps:
+    workers/backends.py): warm-up time, then the speed plan's batches for `adapt` and `adapt-ar`,
+    with agreement against the eager rows of the speed section (bf16 numerics differ between
+    compiled and eager programs, so agreement, not equality)."""
+    from workers.backends import resolve_backend
 
     plan = speed_plan(ctx)
     max_b = max(plan["batches"])
@@ -506,5 +507,5 @@ def section_compiled(ctx) -> dict:
         if e is not None:
             r["eager_tokens_per_s"] = e["tokens_per_s"]
             r["compiled_over_eager"] = r["tokens_per_s"] / max(e["tokens_per_s"], 1e-9)
-    return {"auto_resolves_to": resolve_compile("auto", ctx.device), "dtype": ctx.dtype, "warm_up": warm,
+    return {"auto_resolves_to": resolve_backend("auto", ctx.device).name, "dtype": ctx.dtype, "warm_up": warm,
             "prompts": source, "results": results}

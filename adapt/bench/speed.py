@@ -30,8 +30,9 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `vllm-ngram` | vLLM's CPU build with n-gram speculation (k = 8, n-grams of 2..4) |
 
 Our rows run eager decode steps unless `--compile aot` (the compiled package of `adapt compile`,
-workers/aot.py, which `adapt serve` and `adapt generate` use by default once it is built) or
-`--compile on|auto` (torch.compile in this process). Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
+workers/aot.py, built first when missing), `--compile auto` (that package when built, else eager
+steps, as `adapt serve` and `adapt generate` run by default: workers/backends.py) or
+`--compile on` (torch.compile in this process). Models are loaded and warmed up first (not timed); then `--rounds` rounds run every
 (batch size, row) pair once, rows in a rotated order each round, so that load from other
 processes on the machine falls on all rows alike. A row's tokens/s is the median over rounds of
 tokens / seconds (time around decoding only). **τ** = tokens emitted per sequence per target
@@ -123,7 +124,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
                    help="compiled decode steps for the adapt rows (default off: eager; aot = the compiled "
                         "package of `adapt compile`, built first when missing, as `adapt serve` and `adapt "
-                        "generate` run once it is built; on / auto = torch.compile, ~7-14 minutes first)")
+                        "generate` run once it is built; auto = that package when built, else eager; "
+                        "on = torch.compile, ~7-14 minutes first)")
     p.add_argument("--interleave", action="store_true",
                    help="our engine rows take turns step by step, each timed by its own clock, instead of one "
                         "after another (each row then loads its own engine); this machine's drift then falls on "

@@ -67,6 +67,6 @@ def run(args) -> int:
         engine = Engine(EngineConfig(target=str(target), drafter=None if drafter is None else str(drafter),
                                      dtype=args.dtype, device=args.device, max_batch=rows, max_len=args.max_len,
                                      compile="aot", aot_build=True))
-        print(json.dumps({"max_batch": rows, "max_len": args.max_len, **engine.aot_info}), flush=True)
+        print(json.dumps({"max_batch": rows, "max_len": args.max_len, **engine.backend.info}), flush=True)
         del engine
     return 0

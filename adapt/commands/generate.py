@@ -111,7 +111,6 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from workers.aot import compile_options
     from workers.engine import Engine, EngineConfig
     from workers.request import DecodeKnobs, SamplingParams
 
@@ -131,7 +130,7 @@ def _run(args) -> int:
         sink = FileTraceSink(args.trace)
     def make_engine(dtype: str) -> Engine:
         built = Engine(EngineConfig(target=target, drafter=drafter, dtype=dtype, device=args.device, max_batch=1,
-                                    **compile_options(args.compile)), trace_sink=sink)
+                                    compile=args.compile), trace_sink=sink)
         built.warm_up()
         return built
 
@@ -186,7 +185,8 @@ def _run(args) -> int:
     shown = token_ids[:-1] if reason == "stop" and token_ids and token_ids[-1] in ended else token_ids
     text = tok.decode(shown, skip_special_tokens=True)
     stats = dict(stats, finish_reason=reason, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-                 policy="adaptive" if adaptive else "static", quality=quality, decode_steps=_step_kind(engine),
+                 policy="adaptive" if adaptive else "static", quality=quality, backend=engine.backend.label,
+                 decode_steps=_step_kind(engine),
                  **({} if adaptive else {"steps": steps, "draft_len": draft_len, "commit_order": args.commit_order,
                                          "draft_source": source}),
                  **_machine_stats(args.dtype, dtype_choice, profile_info))
@@ -202,9 +202,8 @@ def _run(args) -> int:
 def _step_kind(engine) -> str:
     """How the decode steps ran: "compiled packages" (the target's and the drafter's), "compiled
     package" (the target's; eager drafter passes), "torch.compile" or "eager"."""
-    if engine.aot:
-        return "compiled packages" if "drafter" in engine.aot_info else "compiled package"
-    return "torch.compile" if engine.compiled else "eager"
+    return {"aot+drafter": "compiled packages", "aot": "compiled package", "compiled": "torch.compile",
+            "eager": "eager"}[engine.backend.label]
 
 
 def _on_cpu(device: str) -> bool:

@@ -20,13 +20,15 @@ import sys
 from pathlib import Path
 
 from adapt.commands import add_pair_arguments
+from workers.request import COMPILE_CHOICES
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("info", help="machine capability, chosen dtype and step backend, what is cached",
                               description=__doc__.split("\n\n")[0])
     add_pair_arguments(p)
-    p.add_argument("--compile", default="auto", help="the --compile choice to report for (default auto)")
+    p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
+                   help="the --compile choice to report for (default auto; workers/backends.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -54,8 +56,11 @@ def machine() -> dict:
 
 def chosen(pair: str, target, drafter, cache_dir, compile_choice: str) -> dict:
     """The dtype and step backend `adapt generate` would use for these models, and why."""
+    import torch
+
     from adapt.dtype_choice import choice_facts, stored_choice
     from workers.aot import list_packages
+    from workers.backends import resolve_backend
 
     out: dict = {"pair": pair, "target": str(target), "drafter": None if drafter is None else str(drafter)}
     if not (Path(target) / "config.json").is_file():
@@ -66,13 +71,16 @@ def chosen(pair: str, target, drafter, cache_dir, compile_choice: str) -> dict:
                         {"dtype": None, "why": "not measured yet: the first `adapt generate` (--dtype auto) times "
                                               "bfloat16 and float32 decode steps and keeps the faster"})
     packages = list_packages()
+    backend = resolve_backend(compile_choice, "cuda" if torch.cuda.is_available() else "cpu")
     if compile_choice == "auto":
         why = (f"{len(packages)} compiled package(s) in the cache: loaded where one was built for this model and "
                "engine shape, else eager steps" if packages else
                "eager steps: no compiled package is built (`adapt compile` builds them: ~1.7x faster steps on a CPU)")
     else:
-        why = f"--compile {compile_choice}"
-    out["step_backend"] = {"compile": compile_choice, "why": why}
+        why = {"aot": "--compile aot: the compiled packages, built at start when missing (minutes)",
+               "compiled": "--compile on: torch.compile in every process (minutes at start)",
+               "eager": "--compile off: eager steps"}[backend.name]
+    out["step_backend"] = {"compile": compile_choice, "backend": backend.name, "builds": backend.builds, "why": why}
     return out
 
 

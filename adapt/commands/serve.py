@@ -81,16 +81,6 @@ def default_policy(policy: str | None, policy_file: str | None, shipped: Path | 
     return name, policy_file
 
 
-def serve_compile(choice: str) -> dict:
-    """The workers' compile settings for `--compile` (`workers.aot.compile_options`): `auto` is
-    the compiled package when `adapt compile` built one for this model and shape, else eager steps,
-    so a worker never compiles before it serves (torch.compile takes minutes per worker on 2 cores,
-    SmolLM2 more than ten: docs/serving.md, "Start-up")."""
-    from workers.aot import compile_options
-
-    return compile_options(choice)
-
-
 def run(args) -> int:
     import logging
     import signal
@@ -167,7 +157,7 @@ def _start(start_stack, target, drafter, args, policy, policy_file, model_name, 
         str(target), None if drafter is None else str(drafter), num_workers=args.num_workers,
         redis_url=args.redis_url, policy=policy, policy_file=policy_file, model_name=model_name, defaults=defaults,
         engine_options={"max_batch": args.max_batch, "max_len": args.max_len, "dtype": args.dtype,
-                        "device": args.device, **serve_compile(args.compile), "admission": args.admission,
+                        "device": args.device, "compile": args.compile, "admission": args.admission,
                         "admission_max_wait_ms": args.admission_max_wait_ms},
         ray_address=args.ray_address, worker_cpus=args.worker_cpus, num_threads=args.threads_per_worker,
         default_max_tokens=args.default_max_tokens, api_keys=api_keys, max_queue=args.max_queue,
