@@ -124,5 +124,7 @@ def test_generate_and_info_show_the_backend(pair, tmp_path, monkeypatch, capsys)
     chosen = json.loads(capsys.readouterr().out)["chosen"]["step_backend"]
     assert chosen["compile"] == "auto" and chosen["backend"] == "aot" and not chosen["builds"]
     assert "eager steps" in chosen["why"]
+    assert main(["info", *models]) == 0
+    assert "step backend: aot: eager steps: no compiled package is built" in capsys.readouterr().out
     assert main(["info", *models, "--json", "--compile", "on"]) == 0
     assert json.loads(capsys.readouterr().out)["chosen"]["step_backend"]["backend"] == "compiled"

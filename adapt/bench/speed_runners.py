@@ -224,7 +224,7 @@ class AdaptRunner:
     suffix drafts (workers/suffix.py) of up to `draft_len` tokens (default: the engine's widest).
     The suffix drafter's memory of recent outputs starts empty in every `generate` call, so a
     repeated prompt never copies its own earlier answer. `compile`: the engine's
-    setting (workers/compiled.py); a compiled engine warms up in `start` (not timed; its seconds
+    setting (its step backend, workers/backends.py); a torch.compile engine warms up in `start` (not timed; its seconds
     are kept in `warm_up`).
 
     `device`: the engine's device (None: `EngineConfig`'s default). `settings`: the policy's

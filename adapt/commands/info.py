@@ -124,7 +124,7 @@ def _text(info: dict) -> str:
              f"  cuda: {', '.join(m['cuda']) or 'none'}",
              f"pair {c['pair']}: target {c['target']}",
              f"  dtype: {c['dtype']['dtype'] or '-'}: {c['dtype']['why']}",
-             f"  step backend: {c['step_backend']['why']}",
+             f"  step backend: {c['step_backend']['backend']}: {c['step_backend']['why']}",
              f"cache {k['cache_dir']}:"]
     lines += [f"  model {x['name']}: {x['mb']} MB" for x in k["models"]] or ["  no models pulled"]
     lines += [f"  package {x['kind']}: {x['mb']} MB ({x['path']})" for x in k["packages"]] or ["  no compiled packages"]
