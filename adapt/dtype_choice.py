@@ -10,8 +10,10 @@ and a speculative step: a verify of `PROFILE_SPAN` + 1 tokens with its drafter p
 the smaller sum wins.
 
 The choice is stored beside the cost profiles (`adapt.profile_cache`, ``profiles/dtype-<hash>.json``)
-under the profile key without the dtype (machine, models, step backend choice, engine shape), so
-it is measured once per machine and model; ``refresh`` measures again.
+under the profile key without the dtype (machine with its effective capability, models, step
+backend choice, engine shape), so it is measured once per machine and model; ``refresh`` measures
+again. `adapt generate` and `adapt serve`'s decoder workers (`resolve_engine_dtype`) ask for the
+same key, a batch-1 engine of the pair, so either one's measurement serves the other.
 """
 
 from __future__ import annotations
@@ -79,6 +81,53 @@ def stored_choice(facts: dict, cache_dir: str | os.PathLike | None = None,
     return dict(choice, path=str(path)) if isinstance(choice, dict) and choice.get("dtype") in candidates else None
 
 
+def _compile_choice(config: dict) -> str:
+    """The CLIs' ``--compile`` choice behind engine options (``compile``, ``aot_build``; the engine's
+    default is eager): the package-if-built setting is "auto" whichever way the options spell it."""
+    from workers.engine import EngineConfig
+
+    choice = config.get("compile", EngineConfig.compile)
+    choice = {False: "off", True: "on"}[choice] if isinstance(choice, bool) else str(choice)
+    return "auto" if choice == "aot" and config.get("aot_build") is False else choice
+
+
+def resolve_engine_dtype(config: dict, cache_dir: str | os.PathLike | None = None, refresh: bool = False,
+                         say: Callable[[str], None] | None = None) -> tuple[dict, dict | None]:
+    """(``config`` with a CPU engine's ``dtype: "auto"`` replaced by this machine's measured choice,
+    the choice {"dtype", "reason", "cached", "ms", "path"}); ``config`` unchanged and None for a given
+    dtype or a GPU (`workers.target_model.resolve_dtype` decides there).
+
+    ``config``: `workers.engine.EngineConfig` keyword arguments (a serving worker's engine options).
+    The choice is `adapt generate`'s: timed on batch-1 engines of the same models and compile
+    choice (`choice_facts`), read back when stored, so a worker that starts on a machine where
+    either command ran times nothing; the timing engines are dropped before the worker builds
+    its own."""
+    import torch
+
+    device = str(config.get("device", "auto"))
+    on_cpu = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device).type == "cpu"
+    if config.get("dtype", "auto") != "auto" or not on_cpu:
+        return config, None
+    facts = choice_facts(config["target"], config.get("drafter"), _compile_choice(config))
+    choice = None if refresh else stored_choice(facts, cache_dir)
+    if choice is not None:
+        choice = dict(choice, cached=True)
+    else:
+        from workers.engine import Engine, EngineConfig
+
+        timing = {k: config[k] for k in ("target", "drafter", "device", "compile", "aot_build") if k in config}
+
+        def make_engine(dtype: str):
+            engine = Engine(EngineConfig(**timing, dtype=dtype, max_batch=1))
+            engine.warm_up()
+            return engine
+
+        engine, choice = choose_dtype(make_engine, facts, cache_dir, refresh=refresh, say=say)
+        del engine
+        gc.collect()
+    return dict(config, dtype=choice["dtype"]), choice
+
+
 def choose_dtype(make_engine: Callable[[str], Any], facts: dict, cache_dir: str | os.PathLike | None = None,
                  refresh: bool = False, candidates: tuple[str, ...] = CANDIDATES,
                  say: Callable[[str], None] | None = None):
@@ -87,10 +136,17 @@ def choose_dtype(make_engine: Callable[[str], Any], facts: dict, cache_dir: str 
     ``make_engine(dtype)`` builds a ready engine; ``facts``: the profile key without the dtype
     (`adapt.profile_cache.engine_facts` minus "dtype", or the same parts from a command line).
     With a stored choice for ``facts`` only the chosen engine is built and nothing is timed."""
+    from adapt.profile_cache import locked
+
+    facts, path = _choice_path(facts, candidates, cache_dir)
+    with locked(path):  # workers starting together: one measures, the others read its file
+        return _read_or_choose(make_engine, facts, path, refresh, candidates, say)
+
+
+def _read_or_choose(make_engine, facts: dict, path, refresh: bool, candidates: tuple[str, ...], say):
     from adapt.profile_cache import progress, read_record, write_record
 
     say = progress if say is None else say
-    facts, path = _choice_path(facts, candidates, cache_dir)
     record = None if refresh else read_record(path, facts)
     choice = record.get("choice") if record else None
     if isinstance(choice, dict) and choice.get("dtype") in candidates:

@@ -188,12 +188,12 @@ def engine_profile(engine, cache_dir: str | os.PathLike | None = None, refresh: 
     facts = dict(engine_facts(engine), profile={k: (list(v) if isinstance(v, tuple) else v) for k, v in args.items()},
                  kind="cost")
     path = profiles_dir(cache_dir) / f"cost-{key_digest(facts)}.json"
-    with _locked(path):  # workers starting together: one profiles, the others read its file
+    with locked(path):  # workers starting together: one profiles, the others read its file
         return _read_or_build(engine, path, facts, args, refresh, say)
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def locked(path: Path):
     """An exclusive lock beside ``path`` (``<name>.lock``) for the block; no lock where the
     directory cannot be written (the profile is then built and not kept)."""
     try:

@@ -103,6 +103,29 @@ def test_models_health_and_completion_with_sla_headers(stack, client):
     assert resp2.choices[0].text == resp.choices[0].text  # greedy: same tokens on either worker
 
 
+def test_workers_load_the_dtype_measured_for_this_machine(stack, tiny_pair):
+    """`dtype: auto` (the engine options' default) on a CPU: each replica loads the dtype measured
+    fastest here (adapt/dtype_choice.py), measured once for both replicas and kept; /health says
+    which and why."""
+    import torch
+
+    from adapt.dtype_choice import resolve_engine_dtype
+
+    health = httpx.get(stack.url + "/health").json()
+    assert len(health["dtypes"]) == 1, health  # both replicas: one choice
+    (dtype, reason), = health["dtypes"].items()
+    assert dtype in ("bfloat16", "float32") and reason.startswith(f"measured on this machine, {dtype} is faster")
+    assert {load["dtype"] for load in stack.store.loads().values()} == {dtype}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the replicas' thread count, part of the choice's key
+    try:  # read back from the cache the replicas wrote: nothing is timed here
+        config, choice = resolve_engine_dtype({"target": str(tiny_pair[0]), "drafter": str(tiny_pair[1]),
+                                               "max_batch": 8, "max_len": 512})
+    finally:
+        torch.set_num_threads(threads)
+    assert choice["cached"] and config["dtype"] == choice["dtype"] == dtype and choice["reason"] == reason
+
+
 def test_chat_and_streaming(client):
     kwargs = dict(model="adapt-demo", messages=[{"role": "user", "content": "print a square"}], max_tokens=10,
                   temperature=0)

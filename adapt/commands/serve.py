@@ -38,7 +38,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = on a CPU, the faster of bfloat16 and float32 for this machine's decode steps, as "
+                        "`adapt generate` measures it (once per machine and model, kept in the cache directory: "
+                        "adapt/dtype_choice.py); each worker loads it and /health reports it; on a GPU bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                    help="compiled decode steps: auto = the package `adapt compile` built for this model and "

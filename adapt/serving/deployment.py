@@ -5,7 +5,9 @@ joined) Ray with ``serve.run`` (`adapt.serving.launcher.start_stack`), and a clu
 ``serve run`` / ``serve deploy`` and ``deploy/serve_config.yaml``. Three deployments:
 
 - ``Decoder``: replicas each owning one `workers.ray_worker.DecoderWorker` (engine loop + decision
-  function in-process) that heartbeats into the state store and hot-reloads policies from it;
+  function in-process) that heartbeats into the state store and hot-reloads policies from it; on
+  a CPU, ``dtype: auto`` is the dtype measured fastest on the replica's machine
+  (`adapt.dtype_choice`, kept in its cache directory), which ``/health`` reports per dtype;
   ``adapt serve --num-workers N`` is N replicas, a cluster config a replica per GPU
   (``ray_actor_options: {num_gpus: 1}``), autoscaled on ongoing requests.
 - ``Controller``: one replica of `adapt.serving.controller_actor.Controller` (cluster load,
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 from typing import Any, AsyncIterator
@@ -49,6 +52,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from adapt.serving.headers import ApiError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Decoder", "ControllerDeployment", "Ingress", "ServeBackend", "app_builder", "ingress_admission_limit",
            "DECODER_MAX_ONGOING", "DECODER_MAX_QUEUED", "INGRESS_MAX_ONGOING", "INGRESS_MAX_QUEUED", "RETRY_AFTER_S",
@@ -109,9 +114,12 @@ class Decoder:
 
         # checked before any model loads: an unknown or ill-typed option is a ValueError naming it
         config = validate_engine_options({"target": target, "drafter": drafter, **(engine_options or {})})
+        config, dtype_choice = _measured_dtype(config, num_threads)
         store = redis_url or _controller_store(controller)
+        meta = {"pid": os.getpid(), "node": _node_id(), "dtype": config.get("dtype", "auto"),
+                "dtype_reason": dtype_choice["reason"] if dtype_choice else "given (engine_options.dtype)"}
         plugin = functools.partial(ServingPlugin, store=store, policy=policy, heartbeat_s=heartbeat_s,
-                                   ttl_s=ttl_s, meta={"pid": os.getpid(), "node": _node_id()})
+                                   ttl_s=ttl_s, meta=meta)
         self.worker = DecoderWorker(f"decoder-{_replica_id()}", config, plugin, num_threads)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -129,6 +137,28 @@ class Decoder:
             self.worker.shutdown()
         except Exception:  # noqa: BLE001 - replica shutting down
             pass
+
+
+def _measured_dtype(config: dict[str, Any], num_threads: int | None) -> tuple[dict[str, Any], dict | None]:
+    """The replica's engine options with ``dtype: "auto"`` on a CPU made this machine's measured
+    choice (`adapt.dtype_choice.resolve_engine_dtype`: bfloat16 or float32, timed once per machine
+    and model at the worker's thread count and kept in the cache directory; replicas starting
+    together measure once), and the choice (None where the dtype was given or the device is a GPU).
+    The native cache bounds and the thread count are set first, as the worker sets them, so the
+    timing runs as the worker will."""
+    import torch
+
+    from adapt.dtype_choice import resolve_engine_dtype
+    from workers.native_caches import bound_native_caches
+
+    bound_native_caches()
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    config, choice = resolve_engine_dtype(config, say=lambda line: log.info("%s", line))
+    if choice is not None:
+        log.info("decoder dtype %s (%s): %s", choice["dtype"], "stored choice" if choice["cached"] else "measured",
+                 choice["reason"])
+    return config, choice
 
 
 def _controller_store(controller: Any, timeout_s: float = 10.0):

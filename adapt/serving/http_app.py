@@ -257,7 +257,8 @@ def build_app(backend: Backend, model_name: str = "adapt-demo",
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"status": "error", "error": str(exc)}, status_code=503)
         ok = len(loads) > 0
-        return JSONResponse({"status": "ok" if ok else "no_workers", "workers": len(loads),
+        dtypes = {v["dtype"]: v.get("dtype_reason") for v in loads.values() if v.get("dtype")}
+        return JSONResponse({"status": "ok" if ok else "no_workers", "workers": len(loads), "dtypes": dtypes,
                              "waiting": sum(int(v.get("waiting", 0)) for v in loads.values()),
                              "running": sum(int(v.get("running", 0)) for v in loads.values()),
                              "ingress": admission.snapshot()},
