@@ -229,3 +229,23 @@ def test_policy_variant_rows_set_the_policy(tmp_path):
     runner.start()
     assert runner.decisions.closed_model == "weight" and runner.decisions.hold_max == 0
     runner.close()
+
+
+def test_dtype_auto_is_the_measured_choice_and_the_report_names_the_machine(tmp_path):
+    """`--dtype auto` (the default) is the dtype `adapt generate` and `adapt serve` measure fastest
+    on this machine (adapt/dtype_choice.py); the report keeps the choice with its timings and the
+    CPU's model, flags and effective capability."""
+    from adapt.profile_cache import cpu_facts
+
+    target, drafter = make_tiny_pair(tmp_path)
+    out = tmp_path / "out"
+    assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--batch-sizes", "1",
+                 "--num-prompts", "1", "--max-tokens", "4", "--prompt-len", "16", "--rounds", "1", "--threads", "1",
+                 "--rows", "adapt-ar", "--no-profile", "--out", str(out)]) == 0
+    rep = json.loads((out / "speed.json").read_text())
+    choice = rep["config"]["dtype_choice"]
+    assert choice["dtype"] == rep["config"]["dtype"] in ("bfloat16", "float32")
+    assert choice["reason"].startswith(f"measured on this machine, {choice['dtype']} is faster")
+    assert set(choice["ms"]) == {"bfloat16", "float32"} and all(m["one"] > 0 for m in choice["ms"].values())
+    assert rep["machine"]["cpu"] == json.loads(json.dumps(cpu_facts()))
+    assert f"dtype auto: {choice['reason']}" in (out / "speed.md").read_text()

@@ -105,7 +105,10 @@ def add_parser(subparsers) -> None:
     add_pair_arguments(p)
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
-    p.add_argument("--dtype", default="auto", help="auto (fastest on the device: bfloat16 on CPU) | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (on a CPU the faster of bfloat16 and float32 for this machine's decode steps, measured "
+                        "once and kept, as adapt generate and serve choose it: adapt/dtype_choice.py) | float32 | "
+                        "bfloat16 | float16")
     p.add_argument("--prompts", type=Path, default=None,
                    help='JSON Lines of {"prompt": TEXT} or {"messages": [...]} (chat template), or a JSON list of '
                         "strings (default: windows of the held-out stdlib files)")
@@ -377,6 +380,15 @@ def run(args) -> int:
         raise SystemExit(f"--target: {args.target} has no config.json")
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    dtype_choice = None
+    if args.dtype == "auto":  # as `adapt generate` and `adapt serve`: the dtype measured fastest on this machine
+        from adapt.dtype_choice import resolve_engine_dtype
+
+        drafter = args.drafter if args.drafter is not None and (args.drafter / "config.json").is_file() else None
+        resolved, dtype_choice = resolve_engine_dtype(
+            {"target": str(args.target), "drafter": None if drafter is None else str(drafter), "device": "cpu",
+             "compile": args.compile}, args.cache_dir)
+        args.dtype = resolved["dtype"]
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
 
     from transformers import AutoTokenizer
@@ -442,7 +454,7 @@ def run(args) -> int:
     order = list(runners)
     load_start = os.getloadavg()[0]
     context = dict(args=args, rows=rows, batch_sizes=batch_sizes, max_tokens=max_tokens, prompts=prompts,
-                   rounds=rounds, threads=threads, dtype=dtype, runners=runners, skipped=skipped,
+                   rounds=rounds, threads=threads, dtype=dtype, dtype_choice=dtype_choice, runners=runners, skipped=skipped,
                    pair_skips=pair_skips, load_start=load_start)
     for rnd in range(rounds):
         for b in batch_sizes:
@@ -490,6 +502,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
     import torch
 
     from adapt.bench.speed_runners import HF_LOOKUP_TOKENS, VLLM_NGRAM, PhaseProbe, VLLMRunner
+    from adapt.profile_cache import cpu_facts
 
     args, batch_sizes, runners = ctx["args"], ctx["batch_sizes"], ctx["runners"]
     skipped, pair_skips, max_tokens, prompts = ctx["skipped"], ctx["pair_skips"], ctx["max_tokens"], ctx["prompts"]
@@ -515,6 +528,8 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
         "complete": final,
         "config": {
             "pair": args.pair, "target": str(args.target), "drafter": str(args.drafter), "dtype": str(ctx["dtype"]).removeprefix("torch."),
+            # --dtype auto: the measured choice (adapt/dtype_choice.py) and the step timings it chose from
+            "dtype_choice": ctx.get("dtype_choice"),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts],
             "prompts": (f"workload {args.workload}" if args.workload else "file " + str(args.prompts) if args.prompts
@@ -527,6 +542,9 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             "warm_up": {name: r.warm_up for name, r in runners.items() if getattr(r, "warm_up", None)},
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    # CPU model, flags and the capability the kernels ran at (limited by ATEN_CPU_CAPABILITY /
+                    # ONEDNN_MAX_CPU_ISA where set: workers/cpu_capability.py)
+                    "cpu": cpu_facts(),
                     "load_avg_start": round(ctx["load_start"], 2), "load_avg_end": round(os.getloadavg()[0], 2),
                     "vllm": vllm[0].info.get("vllm") if vllm else None,
                     "vllm_ld_preload": vllm[0].preload if vllm else None},
@@ -597,7 +615,11 @@ def markdown(report: dict) -> str:
              f"{report['machine']['load_avg_end']}."
              + (" Our rows interleaved step by step, each on its own clock." if cfg.get("interleave") else "")
              + (" Requests kept in flight per batch size (`--refill`), not static groups." if cfg.get("refill") else "")
-             + (f" Lengths spread ±{cfg['length_spread']:g} around the mean (`--length-spread`)." if cfg.get("length_spread") else ""),
+             + (f" Lengths spread ±{cfg['length_spread']:g} around the mean (`--length-spread`)." if cfg.get("length_spread") else "")
+             + (f" Kernels at {report['machine']['cpu']['torch_capability']}, limited by "
+                + " ".join(f"{k}={v}" for k, v in report['machine']['cpu']['limited_by'].items()) + "."
+                if report["machine"].get("cpu", {}).get("limited_by") else "")
+             + (f" dtype auto: {cfg['dtype_choice']['reason']}." if cfg.get("dtype_choice") else ""),
              "",
              "| row | batch | tokens/s | ms/token | τ | vs adapt AR | vs vLLM | vs vLLM+ngram | agrees with HF |",
              "|---|---|---|---|---|---|---|---|---|"]
