@@ -231,7 +231,7 @@ class CostModel:
         self.rate = float(rate)
         self.source = source
         self.observed_steps = 0
-        # draft span (workers/decisions.py `draft_span`): a pass over the first `span` of the block's
+        # draft span (workers/decisions.py `DraftIntent.span`): a pass over the first `span` of the block's
         # `block` positions costs `span_share + (1 − span_share) · (span − 1) / (block − 1)` of a
         # whole-block pass (`draft_pass` is the whole block's); `span` is what the deciding policy
         # currently drafts (None: the whole block); span_share 1: passes cost alike at every span

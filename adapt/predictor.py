@@ -14,7 +14,7 @@ Two logistic heads, both evaluated as a few tensor operations inside the engine 
   temperature, recent acceptance, diffusion steps and whether the rule is MATCH. It never reads
   the sampled token or q(x), so decisions built on it are non-anticipating (docs/controller.md).
 - the **prior head** (before drafting) reads only the row's recent acceptance, temperature, rule
-  family and a candidate number of diffusion steps ``s``: it is what `choose_steps` plans with.
+  family and a candidate number of diffusion steps ``s``: it is what `before_draft` plans with.
 
 A row's *recent acceptance* is the per-position acceptance of its latest verified drafts
 (`workers.decisions.next_recent_accept`). A row that has not verified any draft yet has none

@@ -2,8 +2,9 @@
 
 The replay runs a closed-loop serving simulation: ``concurrency`` requests are in flight, each
 finished request is replaced by the next of the scenario. Every simulated step calls the policy's
-real `choose_steps` / `choose_verify` / `observe` with real `RowState` / `DraftFeatures` /
-`StepOutcome` objects, exactly as the engine does; what the engine would have computed comes from
+real `before_draft` / `after_draft` / `observe` with real `RowState` / `DraftIntent` /
+`DraftFeatures` / `StepRecord` objects, exactly as the engine does (suffix drafts are not
+replayed: a row whose intent names another source than diffusion decodes without a draft); what the engine would have computed comes from
 logged trace records:
 
 - **features** (confidence, entropy, margin) of a row's draft come from a logged record of the same
@@ -165,7 +166,9 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
     ``charge_decisions``: add the policy's measured decision time (CPU time of its calls) to each
     simulated step, as it would be in the engine."""
     from kernels.rules import enforce_rules
-    from workers.decisions import DraftFeatures, RowState, StepOutcome, exact_rules
+    from workers.decisions import DraftFeatures, DraftIntent, RowState, StepOutcome, exact_rules
+    from workers.draft_sources import DIFFUSION_CODE
+    from workers.step_record import StepRecord
     from workers.request import DecodeKnobs
 
     pool = pool or RecordPool(table, seed)
@@ -193,9 +196,13 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
                         recent_accept=torch.tensor([r.recent for r in active], dtype=torch.float32),
                         tvd_spent=torch.tensor([r.tvd for r in active], dtype=torch.float32),
                         remaining=torch.tensor([r.spec.max_tokens - r.generated for r in active]),
-                        batch_size=B, block_size=K, packed_verify=True)  # steps are priced by Σ (k + 1)
+                        batch_size=B, block_size=K, packed_verify=True,  # steps are priced by Σ (k + 1)
+                        fixed_span=True)  # the logged drafts are whole blocks
         t0 = time.thread_time()
-        steps = policy.choose_steps(rows).to(torch.int64).clamp(0, K)
+        intent = policy.before_draft(rows)
+        # what the engine applies: diffusion rows only, at most K passes, the whole block drafted
+        steps = torch.where(intent.source == DIFFUSION_CODE, intent.steps, 0).to(torch.int64).clamp(0, K)
+        intent = DraftIntent(torch.where(steps > 0, DIFFUSION_CODE, 0), steps, K)
         t1 = time.thread_time()
         s_host = steps.tolist()
         idx = []
@@ -223,7 +230,7 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
         exact = exact_rules(temp, conditional)
         draft = DraftFeatures(steps, conf, ent, margin, exact, conditional)
         t2 = time.thread_time()
-        dec = policy.choose_verify(rows, draft)
+        dec = policy.after_draft(rows, intent, draft)
         t3 = time.thread_time()
         # what the engine enforces
         remaining = rows.remaining
@@ -249,8 +256,9 @@ def replay(policy, table: TraceTable, scenario: Scenario, cost, *, seed: int = 0
         step_ms = float(cost.step_ms(float(num_tokens), rpp)) + charge_decisions * 1e3 * ((t1 - t0) + (t3 - t2))
         decision_s += (t1 - t0) + (t3 - t2)
         t4 = time.thread_time()
-        policy.observe(rows, StepOutcome(torch.from_numpy(acc.astype(np.int64)), k.to(torch.int64),
-                                         torch.from_numpy(tvd.astype(np.float32)), step_ms / 1e3, num_tokens))
+        policy.observe(StepRecord.of(rows, intent, StepOutcome(torch.from_numpy(acc.astype(np.int64)), k.to(torch.int64),
+                                                               torch.from_numpy(tvd.astype(np.float32)), step_ms / 1e3,
+                                                               num_tokens), steps_run))
         decision_s += time.thread_time() - t4
         clock_ms += step_ms
         steps_run += 1

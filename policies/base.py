@@ -1,18 +1,21 @@
 """The policy interface: a `DecisionMaker` (docs/contracts.md §5) with memory and timing.
 
-A *policy* answers three calls from the engine every step, for every row of the batch:
+A *policy* answers the engine's three calls every step, for every row of the batch
+(workers/decisions.py):
 
-- ``choose_steps(rows) -> [B] int64``: diffusion steps ``s`` before drafting (0 = no draft);
-- ``draft_span(rows, steps) -> int`` (between the two): the most drafted tokens a diffusion row
-  may verify this step, so the drafter denoises only that many block positions;
-- ``choose_verify(rows, draft) -> VerifyDecision``: after drafting, the draft length ``k`` to
-  verify and the acceptance rule with its parameters (the leniency); not asked on a step where
-  no row drafts (there is nothing to verify);
-- ``observe(rows, outcome)``: what happened (accepted drafts, TVD spent, step time).
+- ``before_draft(rows) -> DraftIntent``: each row's draft source and diffusion steps ``s``, and
+  the span: the most drafted tokens a diffusion row may verify this step, so the drafter
+  denoises only that many block positions;
+- ``after_draft(rows, intent, draft) -> VerifyDecision``: after drafting, the draft length ``k``
+  to verify and the acceptance rule with its parameters (the leniency); not asked on a step
+  where no row drafts (there is nothing to verify);
+- ``observe(record)``: what happened (`workers.step_record.StepRecord`: the intent as applied,
+  accepted drafts, TVD spent, step time).
 
 `Policy` implements the bookkeeping every policy needs (per-request targets and SLA progress,
 budgets, decision timing, online cost correction) and leaves two methods to subclasses:
-`_steps(rows, ctx)` and `_verify(rows, draft, ctx)`. Policies never import `adapt`: a fitted
+`_steps(rows, ctx)` (steps per row: > 0 diffusion passes, 0 no draft, `SUFFIX` a suffix copy)
+and `_verify(rows, draft, ctx)`, with an optional third, `_span(rows, steps)`. Policies never import `adapt`: a fitted
 acceptance predictor and step-cost model are handed in (`predictor=`, `cost=`; see
 `adapt.controller.build_policy`), with simple built-in stand-ins from `policies.defaults`.
 
@@ -78,6 +81,8 @@ class Policy:
     """Base class of every policy. Subclasses set `name` and implement `_steps` and `_verify`."""
 
     name = "base"
+    reads_draft_features = True  # `_verify` reads the drafts' confidence, entropy and margin
+    reads_suffix = False         # `_steps` reads no suffix drafts
 
     def __init__(self, predictor=None, cost=None, block_size: int = 16, online_cost: bool = True):
         self.predictor = predictor if predictor is not None else ConfidenceSurvival()
@@ -87,7 +92,6 @@ class Policy:
         self.book = RequestBook()
         self.decision_s = 0.0
         self.steps_decided = 0
-        self.last_steps: torch.Tensor | None = None
         self._devices: dict[str, object] = {}
         self.throughput = 0.0  # EMA of emitted tokens per ms, the Θ used as a marginal value
 
@@ -121,34 +125,25 @@ class Policy:
         return ctx
 
     # -- the DecisionMaker protocol --------------------------------------------------------------
-    def choose_steps(self, rows) -> torch.Tensor:
+    def before_draft(self, rows):
+        """The step's `DraftIntent`: `_steps` per row, and `_span` where some row drafts by
+        diffusion and the engine denoises partial blocks (``rows.fixed_span`` False)."""
+        from workers.decisions import DraftIntent
+
         t0 = time.thread_time()
         device = rows.temperature.device
         ctx = self._ctx(rows, device)
         steps = self._steps(rows, ctx).to(device=device, dtype=torch.int64)
-        self.last_steps = steps
-        self.decision_s += time.thread_time() - t0
         self.steps_decided += 1
-        return steps
-
-    def steps_applied(self, steps: torch.Tensor) -> None:
-        """The steps [B] (host) each row drafts with this step, where the engine overrode
-        `choose_steps` for rows whose request pinned knobs (workers/pins.py): `observe` (the cost
-        tables' rows per pass, which rows drafted by diffusion) reads them instead of the answer."""
-        device = self.last_steps.device if self.last_steps is not None else steps.device
-        self.last_steps = steps.to(device=device, dtype=torch.int64)
-
-    def draft_span(self, rows, steps: list[int]) -> int:
-        """The most drafted tokens any diffusion row may verify this step, asked after
-        `choose_steps` (``steps``: its answer, host ints) and before drafting: the engine denoises
-        only that many positions of the drafter's block (`_span`; the whole block unless a policy
-        knows better)."""
-        t0 = time.thread_time()
-        span = self._span(rows, steps)
+        span = 0
+        if not rows.fixed_span:
+            steps_host = steps.tolist()
+            if any(s > 0 for s in steps_host):
+                span = self._span(rows, steps_host)
         self.decision_s += time.thread_time() - t0
-        return span
+        return DraftIntent.of_steps(steps, span)
 
-    def choose_verify(self, rows, draft):
+    def after_draft(self, rows, intent, draft):
         t0 = time.thread_time()
         if draft.confidence.device.type != "cpu":  # decide on the host: one read of the features, none after
             draft = draft.to_host()
@@ -158,26 +153,26 @@ class Policy:
         self.decision_s += time.thread_time() - t0
         return decision
 
-    def observe(self, rows, outcome) -> None:
+    def observe(self, record) -> None:
+        """Learn from the step `record` (its applied intent: the steps each row really drafted
+        with, pins included): the request book, the throughput Θ, the online cost tables."""
         t0 = time.thread_time()
         self._ctx_cache = None  # this step's context is stale now
+        rows, outcome, steps = record.rows, record.outcome, record.intent.steps
         accepted = torch.as_tensor(outcome.accepted).cpu()
         step_ms = outcome_ms(outcome)
         emitted = accepted + 1
-        verified = torch.as_tensor(outcome.verified).cpu()
-        steps = self.last_steps
-        if steps is not None and steps.shape == verified.shape:  # idle: steps without diffusion drafts
-            verified = torch.where(steps.cpu() > 0, verified, 0)
+        verified = torch.where(steps > 0, torch.as_tensor(outcome.verified).cpu(), 0)  # diffusion drafts only
         self.book.observe(rows, emitted, step_ms, verified)
         if step_ms > 0:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
-        if self.online_cost and hasattr(self.cost, "observe") and self.last_steps is not None:
-            self.cost.observe(float(outcome.num_tokens), rows_per_pass(self.last_steps), self._table_ms(outcome, step_ms),
+        if self.online_cost and hasattr(self.cost, "observe"):
+            self.cost.observe(float(outcome.num_tokens), rows_per_pass(steps), self._table_ms(record, step_ms),
                               getattr(outcome, "verify_ms", None), getattr(outcome, "draft_ms", None))
         self.decision_s += time.thread_time() - t0
 
-    def _table_ms(self, outcome, step_ms: float) -> float:
+    def _table_ms(self, record, step_ms: float) -> float:
         """The part of a measured step the cost tables should learn (all of it here; a policy
         that models a fixed cost separately takes it out)."""
         return step_ms
@@ -190,7 +185,7 @@ class Policy:
         raise NotImplementedError
 
     def _span(self, rows, steps: list[int]) -> int:
-        """`draft_span`: the whole block (a policy that picks draft lengths after drafting, from
+        """The intent's span (``steps``: `_steps`' answer, host ints): the whole block (a policy that picks draft lengths after drafting, from
         features of every position, needs them all)."""
         return int(getattr(rows, "block_size", 0) or self.block_size)
 

@@ -13,7 +13,8 @@ import torch
 from policies.adaptive import AdaptivePolicy
 from policies.defaults import LinearCost
 from tests.tiny_models import make_tiny_target, single_thread
-from workers.decisions import SUFFIX, RowState
+from workers.decisions import RowState
+from workers.draft_sources import NONE_CODE, SUFFIX_CODE
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -41,15 +42,15 @@ def test_a_closed_batch_drafts_for_its_tail_and_not_for_rows_ahead():
     """``closed_model = "weight"``. Row 0 has 50 tokens left, row 1 is 20 ahead. Open (a freed slot would be taken), both
     copy; closed, the row ahead does not (its copy would only bring its exit forward) and the
     tail row still does; with ``closed_weight`` 1 a closed batch is decided as an open one."""
-    open_steps = policy(closed_model="weight").choose_steps(copy_rows([50, 30], closed=False))
-    assert open_steps.tolist() == [SUFFIX, SUFFIX]
+    open_steps = policy(closed_model="weight").before_draft(copy_rows([50, 30], closed=False))
+    assert open_steps.source.tolist() == [SUFFIX_CODE, SUFFIX_CODE]
     p = policy(closed_model="weight")
-    assert p.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
+    assert p.before_draft(copy_rows([50, 30], closed=True)).source.tolist() == [SUFFIX_CODE, NONE_CODE]
     assert p.weights(p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))).tolist() == pytest.approx([1.0, 0.3])
     off = policy(closed_model="weight", closed_weight=1.0)
-    assert off.choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    assert off.before_draft(copy_rows([50, 30], closed=True)).source.tolist() == [SUFFIX_CODE, SUFFIX_CODE]
     # rows level with each other are all the tail: decided as in an open batch
-    assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
+    assert policy(closed_model="weight").before_draft(copy_rows([40, 40], closed=True)).source.tolist() == [SUFFIX_CODE, SUFFIX_CODE]
 
 
 def test_tail_weights_and_setting_checks():
@@ -93,10 +94,10 @@ def test_the_time_model_values_tokens_by_the_step_time_they_save():
     extra, _ = p.closed_time(copy_rows([31, 30], closed=True))  # ahead by one token: half the step's share
     assert extra.tolist() == pytest.approx([2 * (4 + 5) / T_B, 2 * 4 / T_B])
     assert p.closed_time(copy_rows([40, 40], closed=True))[0].tolist() == pytest.approx([8 / T_B, 8 / T_B])
-    assert policy(closed_model="weight").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [SUFFIX, SUFFIX]
-    assert policy(closed_model="time").choose_steps(copy_rows([40, 40], closed=True)).tolist() == [0, 0]
-    assert policy(closed_model="time").choose_steps(copy_rows([50, 30], closed=True)).tolist() == [SUFFIX, 0]
-    assert policy(closed_model="time").choose_steps(copy_rows([40, 40], closed=False)).tolist() == [SUFFIX, SUFFIX]
+    assert policy(closed_model="weight").before_draft(copy_rows([40, 40], closed=True)).source.tolist() == [SUFFIX_CODE, SUFFIX_CODE]
+    assert policy(closed_model="time").before_draft(copy_rows([40, 40], closed=True)).source.tolist() == [NONE_CODE, NONE_CODE]
+    assert policy(closed_model="time").before_draft(copy_rows([50, 30], closed=True)).source.tolist() == [SUFFIX_CODE, NONE_CODE]
+    assert policy(closed_model="time").before_draft(copy_rows([40, 40], closed=False)).source.tolist() == [SUFFIX_CODE, SUFFIX_CODE]
     ctx = p._ctx(copy_rows([50, 30], closed=True), torch.device("cpu"))
     assert p.base_weights(ctx).tolist() == [1.0, 1.0] and p.weights(ctx).tolist() == pytest.approx(extra_of([50, 30]))
     with pytest.raises(ValueError, match="closed_model"):

@@ -1,14 +1,17 @@
 """The draft span: the engine denoises only the block positions a step may verify
-(`DecisionMaker.draft_span`, workers/decisions.py), and stays exact."""
+(`DraftIntent.span`, workers/decisions.py), and stays exact."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import policies
-from policies.adaptive.plan import Plan, price_span
+from policies.adaptive.plan import Plan, price_span, span_of
 from tests.test_policies import make_rows
+from workers.draft_sources import DIFFUSION_CODE
 from workers.engine import DEMO_DRAFTER, DEMO_TARGET, Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -67,19 +70,22 @@ def test_sampled_rows_with_a_short_span_and_rows_that_do_not_draft_decode_to_the
     assert widths and max(widths) == 4
 
 
-def test_a_decision_maker_without_draft_span_drafts_the_whole_block():
-    class Whole:  # the three required methods only
+def test_an_intent_with_span_0_drafts_the_whole_block():
+    class Whole:
+        reads_draft_features = reads_suffix = False
+
         def __init__(self):
             from workers.decisions import StaticDecisions
             self.inner = StaticDecisions()
 
-        def choose_steps(self, rows):
-            return self.inner.choose_steps(rows)
+        def before_draft(self, rows):
+            return dataclasses.replace(self.inner.before_draft(rows), span=0)
 
-        def choose_verify(self, rows, draft):
-            return self.inner.choose_verify(rows, draft)
+        def after_draft(self, rows, intent, draft):
+            assert intent.span == engine.block  # the applied intent: the span the drafter denoised
+            return self.inner.after_draft(rows, intent, draft)
 
-        def observe(self, rows, outcome):
+        def observe(self, record):
             return None
 
     engine = _engine()
@@ -95,13 +101,13 @@ def test_adaptive_span_is_the_plans_longest_draft_plus_headroom():
     p = policies.get("adaptive", flat_share=0.0, span_headroom=2)
     toks = torch.tensor([3.0, 1.0, 5.0])  # verified positions per row, bonus included
     p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1, 0, 2]), torch.zeros(3), toks)
-    assert p.draft_span(rows, [1, 0, 2]) == 4 + 2      # row 2 plans k = 4
-    assert p.draft_span(rows, [1, 0, -1]) == 2 + 2     # row 2 took its suffix draft instead
+    assert span_of(p, rows, [1, 0, 2])[0] == 4 + 2      # row 2 plans k = 4
+    assert span_of(p, rows, [1, 0, 0])[0] == 2 + 2      # row 2 took its suffix draft instead
     p.span_headroom = None
-    assert p.draft_span(rows, [1, 0, 2]) == 16
+    assert span_of(p, rows, [1, 0, 2])[0] == 16
     p.span_headroom = 2
     p._plan = Plan(("other",), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
-    assert p.draft_span(rows, [1, 0, 2]) == 16           # no plan for these rows: the whole block
+    assert span_of(p, rows, [1, 0, 2])[0] == 16           # no plan for these rows: the whole block
     with pytest.raises(ValueError, match="span_headroom"):
         policies.get("adaptive", span_headroom=-1)
 
@@ -111,11 +117,11 @@ def test_adaptive_prices_drafting_at_the_span_it_drafts():
     cost = CostModel(draft_pass=Table([1, 8], [4.0, 16.0], "cost.draft_pass"), span_share=0.4, block=16)
     p = policies.get("adaptive", cost=cost, flat_share=0.0, span_headroom=2)
     rows = make_rows(2, K=16)
-    p.choose_steps(rows)
+    p.before_draft(dataclasses.replace(rows, fixed_span=True))  # an engine that drafts whole blocks: no span asked
     assert cost.span == 5  # before any span: the headroom over a 3-token plan
     for _ in range(20):
         p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1, 1]), torch.zeros(2), torch.tensor([2.0, 2.0]))
-        p.draft_span(rows, [1, 1])
+        p._span(rows, [1, 1])
     price_span(p, 16)
     assert cost.span == 3 and cost.span_scale() == pytest.approx(0.4 + 0.6 * 2 / 15)
 
@@ -131,29 +137,27 @@ def test_adaptive_verifies_the_whole_span_where_it_costs_nearly_nothing():
     p = policies.get("adaptive", cost=cost, span_headroom=2)
     rows = make_rows(1, K=16)
     p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
-    p.choose_steps(rows)
-    assert p.draft_span(rows, [1]) == 5
+    intent = p.before_draft(rows)
+    assert intent.steps.tolist() == [1] and intent.span == 5
     # it will verify the whole span whatever the features say: it asks the engine for none
     assert p.reads_draft_features is False
     conf = torch.zeros(1, 16)
     conf[0, :5] = torch.tensor([0.9, 0.2, 0.1, 0.05, 0.02])  # low: the predictor would drop most
     cond = torch.ones(1, dtype=torch.bool)
-    d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
-                                            exact_rules(rows.temperature, cond), cond))
+    d = p.after_draft(rows, intent, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
+                                                  exact_rules(rows.temperature, cond), cond))
     assert d.draft_len.tolist() == [5]
     zeros = torch.zeros(1, 16)  # what the engine passes when it computed none: the same decision
-    d0 = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), zeros, zeros, zeros,
-                                             exact_rules(rows.temperature, cond), cond))
+    d0 = p.after_draft(rows, intent, DraftFeatures(torch.tensor([1]), zeros, zeros, zeros,
+                                                   exact_rules(rows.temperature, cond), cond))
     assert d0.draft_len.tolist() == [5] and d0.rule.tolist() == d.rule.tolist()
-    p.choose_steps(rows)
-    assert p.reads_draft_features  # a new step: nothing known yet
     p.flat_share = 0.0  # not flat: the predictor and the greedy decide, within the span
     p._plan = Plan(tuple(rows.request_ids), 1, torch.tensor([1]), torch.zeros(1), torch.tensor([4.0]))
-    p.choose_steps(rows)
-    p.draft_span(rows, [1])
+    intent = p.before_draft(rows)
+    assert intent.source.tolist() == [DIFFUSION_CODE] and intent.span == 5
     assert p.reads_draft_features
-    d = p.choose_verify(rows, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
-                                            exact_rules(rows.temperature, cond), cond))
+    d = p.after_draft(rows, intent, DraftFeatures(torch.tensor([1]), conf, torch.zeros(1, 16), conf / 2,
+                                                  exact_rules(rows.temperature, cond), cond))
     assert int(d.draft_len[0]) < 5
 
 

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from kernels import Rule
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.decisions import SUFFIX, StaticDecisions, VerifyDecision
+from workers.decisions import DraftIntent, StaticDecisions, VerifyDecision
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
 from workers.engine import Engine, EngineConfig
 from workers.request import DecodeKnobs, SamplingParams
 
@@ -85,17 +86,19 @@ def test_greedy_matrix_matches_transformers(pair):
 
 class RandomKnobs(StaticDecisions):
     """Changes every row's source, steps, draft length and rule every step (seeded); reads suffix
-    drafts, so SUFFIX rows draft wherever a suffix draft exists."""
+    drafts, so suffix rows draft wherever a suffix draft exists."""
 
     reads_suffix = True
 
     def __init__(self, seed=0):
         self.rng = random.Random(seed)
 
-    def choose_steps(self, rows):
-        return torch.tensor([self.rng.choice([SUFFIX, 0, 1, 2, 3, 4]) for _ in range(rows.batch_size)])
+    def before_draft(self, rows):
+        steps = torch.tensor([self.rng.choice([-1, 0, 1, 2, 3, 4]) for _ in range(rows.batch_size)])  # -1: a suffix copy
+        source = torch.where(steps > 0, DIFFUSION_CODE, torch.where(steps < 0, SUFFIX_CODE, NONE_CODE))
+        return DraftIntent(source, steps.clamp(min=0))
 
-    def choose_verify(self, rows, draft):
+    def after_draft(self, rows, intent, draft):
         B = rows.batch_size
         k = torch.tensor([self.rng.randint(0, rows.block_size) for _ in range(B)])
         rule = torch.tensor([self.rng.choice([int(Rule.GREEDY), int(Rule.MATCH), int(Rule.EPS_TVD)]) for _ in range(B)],
@@ -152,10 +155,11 @@ class BurstyDrafting(StaticDecisions):
         self.rng = random.Random(seed)
         self.step = 0
 
-    def choose_steps(self, rows):
+    def before_draft(self, rows):
         self.step += 1
         burst = self.step % 80 > 70  # ~70 steps without drafts, then a few with
-        return torch.tensor([1 if burst or self.rng.random() < 0.01 else 0 for _ in rows.request_ids])
+        steps = torch.tensor([1 if burst or self.rng.random() < 0.01 else 0 for _ in rows.request_ids])
+        return DraftIntent(torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE), steps)
 
 
 def test_lazy_drafter_context_equals_the_eager_one(tmp_path):

@@ -13,7 +13,9 @@ from adapt.targets import RequestTargets
 from kernels.rules import EXACT_RULES, Rule
 from policies.adaptive.plan import lam, recent_accept
 from policies.greedy import greedy_prefix
-from workers.decisions import DraftFeatures, RowState, StepOutcome, exact_rules
+from workers.decisions import DraftFeatures, DraftIntent, RowState, StepOutcome, exact_rules
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
+from workers.step_record import StepRecord
 from workers.request import DecodeKnobs
 
 BASE = ("adaptive", "batch-schedule", "dspark", "static")
@@ -37,11 +39,28 @@ def make_draft(rows, steps, conf):
     return DraftFeatures(steps, conf, torch.rand(B, K), conf / 2, exact_rules(rows.temperature, cond), cond)
 
 
+def intent_of(steps, span: int = 0) -> DraftIntent:
+    """The applied intent of per-row steps: > 0 diffusion passes, 0 no draft, -1 a suffix copy."""
+    steps = torch.as_tensor(steps).to(torch.int64).cpu()
+    source = torch.where(steps > 0, DIFFUSION_CODE, torch.where(steps < 0, SUFFIX_CODE, NONE_CODE))
+    return DraftIntent(source, steps.clamp(min=0), span)
+
+
+def verify(p, rows, draft):
+    """`after_draft` under the intent the draft was drafted with (its steps)."""
+    return p.after_draft(rows, intent_of(draft.steps), draft)
+
+
+def observe(p, rows, steps, outcome) -> None:
+    """`observe` of a step whose rows drafted with ``steps`` [B] (`intent_of`)."""
+    p.observe(StepRecord.of(rows, intent_of(steps), outcome))
+
+
 def test_registry():
     assert set(BASE) <= set(policies.names())
     for name in policies.names():
         p = policies.get(name)
-        assert p.name == name and hasattr(p, "choose_steps") and hasattr(p, "observe")
+        assert p.name == name and hasattr(p, "before_draft") and hasattr(p, "after_draft") and hasattr(p, "observe")
     with pytest.raises(ValueError, match="unknown policy"):
         policies.get("nope")
     with pytest.raises(ValueError, match="bad settings"):
@@ -78,9 +97,9 @@ def test_lossless_rows_get_exact_rules_and_eps_rows_stay_in_budget():
     for name in policies.names():
         # adaptive may decline to draft with the built-in stand-in predictor: made to draft here
         p = policies.get(name, **({"allow_no_draft": False} if name == "adaptive" else {}))
-        steps = p.choose_steps(rows)
+        steps = p.before_draft(rows).steps
         draft = make_draft(rows, torch.where(steps > 0, 1, 0), conf)
-        d = p.choose_verify(rows, draft)
+        d = verify(p, rows, draft)
         for i in range(B):
             if quality[i] == "lossless" or rows.temperature[i] == 0 or name == "dspark":  # dspark: exact only
                 assert int(d.rule[i]) in EXACT_RULES, (name, i)
@@ -106,8 +125,8 @@ def test_dspark_and_adaptive_verify_more_where_confidence_is_high():
         __import__("adapt.cost_model", fromlist=["Table"]).Table([1, 64], [1.0, 4.0]))
     for name in ("dspark", "adaptive"):
         p = build_policy(name, pf, **({"flat_share": 0.0} if name == "adaptive" else {}))
-        steps = p.choose_steps(rows)
-        d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+        steps = p.before_draft(rows).steps
+        d = verify(p, rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
         k = d.draft_len.tolist()
         assert k == sorted(k, reverse=True) and k[0] > k[3], (name, k)
 
@@ -122,14 +141,14 @@ def test_adaptive_favours_rows_behind_their_target():
     p = policies.get("adaptive", cost=cost, flat_share=0.0)
     conf = torch.full((B, K), 0.7)
     for _ in range(3):  # both rows get 10 ms per token: row 0 is 2x late, row 1 early
-        p.choose_steps(rows)
-        p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
-        p.observe(rows, StepOutcome(torch.tensor([0, 0]), torch.tensor([4, 4]), torch.zeros(2), 0.010, 10))
-    p.choose_steps(rows)
+        intent = p.before_draft(rows)
+        verify(p, rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+        observe(p, rows, intent.steps, StepOutcome(torch.tensor([0, 0]), torch.tensor([4, 4]), torch.zeros(2), 0.010, 10))
+    p.before_draft(rows)
     ctx = p._ctx(rows, "cpu")
     w = p.weights(ctx)
     assert w[0] > w[1] == 1.0
-    d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
+    d = verify(p, rows, make_draft(rows, torch.ones(B, dtype=torch.long), conf))
     assert d.draft_len[0] >= d.draft_len[1]
 
 
@@ -147,8 +166,8 @@ def test_adaptive_non_anticipating_rows_read_only_earlier_positions():
     steps = torch.full((B,), 2)
     cond = torch.ones(B, dtype=torch.bool)
     conf = torch.linspace(0.95, 0.3, K).expand(B, K).clone()
-    p.choose_steps(rows)
-    d1 = p.choose_verify(rows, DraftFeatures(steps, conf, torch.zeros(B, K), conf / 2,
+    p.before_draft(rows)
+    d1 = verify(p, rows, DraftFeatures(steps, conf, torch.zeros(B, K), conf / 2,
                                              exact_rules(rows.temperature, cond), cond))
     assert (d1.rule == Rule.REJECTION).all()
     k = int(d1.draft_len[0])
@@ -157,13 +176,13 @@ def test_adaptive_non_anticipating_rows_read_only_earlier_positions():
         conf2 = conf.clone()
         conf2[:, k + 1:] = value  # positions after the first unverified one: no say in the decision
         p.threshold = torch.tensor(0.3)  # λ is fixed before drafting (the last step set it)
-        d2 = p.choose_verify(rows, DraftFeatures(steps, conf2, torch.zeros(B, K), conf2 / 2,
+        d2 = verify(p, rows, DraftFeatures(steps, conf2, torch.zeros(B, K), conf2 / 2,
                                                  exact_rules(rows.temperature, cond), cond))
         assert d2.draft_len.tolist() == d1.draft_len.tolist()
     conf3 = conf.clone()
     conf3[:, k:] = 0.01  # lowering the first unverified position keeps every verified one verified
     p.threshold = torch.tensor(0.3)
-    d3 = p.choose_verify(rows, DraftFeatures(steps, conf3, torch.zeros(B, K), conf3 / 2,
+    d3 = verify(p, rows, DraftFeatures(steps, conf3, torch.zeros(B, K), conf3 / 2,
                                              exact_rules(rows.temperature, cond), cond))
     assert d3.draft_len.tolist() == d1.draft_len.tolist()
 
@@ -172,8 +191,8 @@ def test_batch_schedule_follows_the_batch_size():
     p = policies.get("batch-schedule", schedule={1: 8, 4: 4, 16: 1})
     for B, want in ((1, 8), (3, 8), (4, 4), (20, 1)):
         rows = make_rows(B)
-        p.choose_steps(rows)
-        d = p.choose_verify(rows, make_draft(rows, torch.ones(B, dtype=torch.long), torch.rand(B, 8)))
+        p.before_draft(rows)
+        d = verify(p, rows, make_draft(rows, torch.ones(B, dtype=torch.long), torch.rand(B, 8)))
         assert d.draft_len.tolist() == [want] * B
     with pytest.raises(ValueError, match="schedule"):
         policies.get("batch-schedule", schedule={4: 2})
@@ -208,11 +227,11 @@ def _cost(draft_pass_ms: float, verify_ms: float = 5.0):
 def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
     rows = make_rows(4)
     costly = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0))
-    assert costly.choose_steps(rows).tolist() == [0, 0, 0, 0]
+    assert costly.before_draft(rows).steps.tolist() == [0, 0, 0, 0]
     cheap = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01))
-    assert (cheap.choose_steps(rows) >= 1).all()
+    assert (cheap.before_draft(rows).steps >= 1).all()
     never = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), allow_no_draft=False)
-    assert (never.choose_steps(rows) >= 1).all()
+    assert (never.before_draft(rows).steps >= 1).all()
 
 
 def test_sla_guard_plan_keeps_a_protected_row_on_target_while_others_draft():
@@ -232,9 +251,9 @@ def test_sla_guard_plan_keeps_a_protected_row_on_target_while_others_draft():
     for guard in (False, True):
         p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, sla_slack=1.0, sla_guard_plan=guard)
         for _ in range(10):
-            p.observe(rows, StepOutcome(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
-                                        torch.zeros(2), 0.005, 2))
-        chosen[guard] = p.choose_steps(rows).tolist()
+            observe(p, rows, torch.zeros(2), StepOutcome(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                                                         torch.zeros(2), 0.005, 2))
+        chosen[guard] = p.before_draft(rows).steps.tolist()
     assert chosen[False][0] == 0 and chosen[False][1] >= 1
     assert chosen[True] == [0, 0]
 
@@ -249,7 +268,7 @@ def test_adaptive_plans_short_drafts_before_it_knows_a_threshold():
     cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [3.0, 3.0]))
     p = policies.get("adaptive", cost=cost)
     assert float(p.threshold) == 0.0
-    assert p.choose_steps(make_rows(1, 16, temperature=[0.0])).tolist() == [1]
+    assert p.before_draft(make_rows(1, 16, temperature=[0.0])).steps.tolist() == [1]
     assert 2 <= int(p._plan.toks[0]) <= 8  # planned verified positions (bonus included): a short prefix
     # where verifying the whole block is nearly free, the floor keeps every slot worth anything
     flat = policies.get("adaptive", cost=CostModel(Table([1, 1024], [14.0, 14.0]), Table([1, 256], [3.0, 3.0])))
@@ -264,7 +283,7 @@ def test_adaptive_offers_drafting_again_to_rows_that_stopped():
     p.predictor.typical_recent = torch.tensor([0.7, 0.7])
     # row 0 verified drafts, row 1 did not, for 6 steps
     for _ in range(6):
-        p.observe(rows, StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
+        observe(p, rows, torch.tensor([1, 0]), StepOutcome(torch.tensor([1, 0]), torch.tensor([2, 0]), torch.zeros(2), 0.01, 4))
     recent = recent_accept(p, rows, p._ctx(rows, "cpu")["idle"], p.predictor)
     assert recent[0] < 0.2 and recent[1] > 0.6  # the idle row reads close to its class's typical value
     with pytest.raises(ValueError, match="idle_decay"):
@@ -389,17 +408,16 @@ def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
 
     rows = dataclasses.replace(make_rows(4, 8), recent_accept=torch.full((4,), 0.97))
     p = policies.get("adaptive")
-    assert p.choose_steps(rows).gt(0).all() and p.draft_overhead_ms == 0.0
+    assert p.before_draft(rows).steps.gt(0).all() and p.draft_overhead_ms == 0.0
     for drafted in [False, True] * 10:
         steps = torch.full((4,), 1 if drafted else 0)
-        p.last_steps = steps
         n = 4 * (5 if drafted else 1)
         predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
-        p.observe(rows, StepOutcome(torch.zeros(4, dtype=torch.long), torch.full((4,), 4 if drafted else 0),
+        observe(p, rows, steps, StepOutcome(torch.zeros(4, dtype=torch.long), torch.full((4,), 4 if drafted else 0),
                                     torch.zeros(4), (predicted + (50.0 if drafted else 0.0)) / 1e3, n))
     assert 40.0 < p.draft_overhead_ms <= 50.0 + 1e-6
     p._plan = None  # re-plan now
-    assert p.choose_steps(rows).eq(0).all()
+    assert p.before_draft(rows).steps.eq(0).all()
 
 
 def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
@@ -419,10 +437,9 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
         rows = dataclasses.replace(make_rows(B, 8), recent_accept=torch.full((B,), 0.97))
         for drafted in [False, True] * 12:
             steps = torch.full((B,), 1 if drafted else 0)
-            p.last_steps = steps
             n = B * (5 if drafted else 1)
             predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
-            p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if drafted else 0),
+            observe(p, rows, steps, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if drafted else 0),
                                         torch.zeros(B), (predicted + (extra if drafted else 0.0)) / 1e3, n))
     assert 45.0 < p.draft_overhead_at(8) <= 60.0 + 1e-6
     assert 0.5 < p.draft_overhead_at(2) <= 1.0 + 1e-6
@@ -434,7 +451,7 @@ def test_adaptive_learns_the_drafting_paths_extra_cost_per_batch_size():
     assert p.draft_overhead_at(32) == p.draft_overhead_at(8)
     two = dataclasses.replace(make_rows(2, 8), recent_accept=torch.full((2,), 0.97))
     p._plan = None
-    assert p.choose_steps(two).gt(0).all()
+    assert p.before_draft(two).steps.gt(0).all()
 
 
 def _observe_steps(p, rows, kinds, extra_ms):
@@ -445,10 +462,9 @@ def _observe_steps(p, rows, kinds, extra_ms):
     B = len(rows.request_ids)
     for i, kind in enumerate(kinds):
         steps = torch.full((B,), 1 if kind == "diffusion" else 0)
-        p.last_steps = steps
         n = B * (5 if kind == "diffusion" else 1)
         predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
-        p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if kind == "diffusion" else 0),
+        observe(p, rows, steps, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 4 if kind == "diffusion" else 0),
                                     torch.zeros(B), (predicted + extra_ms(i, kind)) / 1e3, n))
 
 
@@ -463,7 +479,7 @@ def test_adaptive_learns_nothing_from_one_stalled_step():
     _observe_steps(p, rows, ["plain", "diffusion"] * 6, lambda i, kind: 600.0 if i == 5 else 0.0)
     assert abs(p.draft_overhead_at(1)) < 1.0
     p._plan = None
-    assert p.choose_steps(rows).gt(0).all()
+    assert p.before_draft(rows).steps.gt(0).all()
 
 
 def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long():
@@ -481,7 +497,7 @@ def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long()
     learned = p.draft_overhead_at(1)
     assert learned > 40.0
     p._plan = None
-    assert p.choose_steps(rows).eq(0).all()  # priced out
+    assert p.before_draft(rows).steps.eq(0).all()  # priced out
     _observe_steps(p, rows, ["plain"] * (STALE_STEPS - 2), lambda i, kind: 0.0)
     assert p.draft_overhead_at(1) == pytest.approx(learned, rel=0.05)  # not yet stale
     _observe_steps(p, rows, ["plain"] * 4, lambda i, kind: 0.0)
@@ -489,7 +505,7 @@ def test_adaptive_halves_a_drafting_penalty_that_no_step_has_measured_for_long()
     _observe_steps(p, rows, ["plain"] * (4 * STALE_STEPS), lambda i, kind: 0.0)
     assert p.draft_overhead_at(1) < learned / 8
     p._plan = None
-    assert p.choose_steps(rows).gt(0).all()  # tried again: the next drafting step measures the cost anew
+    assert p.before_draft(rows).steps.gt(0).all()  # tried again: the next drafting step measures the cost anew
 
 
 def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
@@ -508,15 +524,15 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     for _ in range(16):
         held.append(p.holding)
         assert p.reads_suffix == (not p.holding)
-        assert p.choose_steps(rows).tolist() == [0, 0, 0, 0]
+        assert p.before_draft(rows).steps.tolist() == [0, 0, 0, 0]
     assert [i for i, h in enumerate(held) if h] == [1, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14]  # holds of 1, 2, 4, 4
     assert len(decided) == 5 and p.stats()["held_share"] == pytest.approx(11 / 16)
     assert p.holding  # a hold of 4 begins after step 15's plain decision
     # a request leaves (and the slots are reordered): nothing new to look at, the hold goes on
-    assert p.choose_steps(make_rows(3, ids=["r2", "r0", "r1"])).tolist() == [0, 0, 0]
+    assert p.before_draft(make_rows(3, ids=["r2", "r0", "r1"])).steps.tolist() == [0, 0, 0]
     # a request joins a batch of 4 rows (`hold_joins_rows`): it takes plain steps until the hold runs out
     joined = make_rows(4, ids=["r0", "r1", "r2", "new"])
-    assert p.choose_steps(joined).tolist() == [0, 0, 0, 0]
+    assert p.before_draft(joined).steps.tolist() == [0, 0, 0, 0]
     assert len(decided) == 5 and p.holding
     # in a batch below `hold_joins_rows` (the default 8) a request joining ends the hold: the
     # policy decides (without the suffix drafts the engine skipped) and does not hold
@@ -525,39 +541,39 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     inner_strict = strict._steps
     strict._steps = lambda r, ctx: strict_decided.append(1) or inner_strict(r, ctx)
     for _ in range(3):  # decided, held, decided: a hold of 2 begins
-        strict.choose_steps(rows)
+        strict.before_draft(rows)
     assert strict.holding and len(strict_decided) == 2
-    strict.choose_steps(make_rows(3, ids=["r2", "r0", "r1"]))  # a request left: still held
+    strict.before_draft(make_rows(3, ids=["r2", "r0", "r1"]))  # a request left: still held
     assert len(strict_decided) == 2 and strict.holding
-    strict.choose_steps(joined)
+    strict.before_draft(joined)
     assert len(strict_decided) == 3 and not strict.holding and strict.reads_suffix
     # hold_max = 0: decides every step
     q = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=0)
     for _ in range(3):
-        q.choose_steps(rows)
+        q.before_draft(rows)
         assert not q.holding
     # deciding is cheap against a step (hold_share): no hold; dear: hold
     cheap = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
     cheap.costs.plain_ms = 1e6
-    cheap.choose_steps(rows)
+    cheap.before_draft(rows)
     assert not cheap.holding
     cheap.costs.plain_ms = 1e-6
-    cheap.choose_steps(rows)
+    cheap.before_draft(rows)
     assert cheap.holding
     # the comparison is with one row's share of the step (plain_ms / B): deciding delays all 4
     # rows, a copy it may catch wins one row's tokens
     share = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
     share.cadence.decide_ms, share.costs.plain_ms = 1000.0, 40_000.0  # ~900 ms after the EMA: < 5 % of the step, > 5 % of a row's share
-    share.choose_steps(rows)
+    share.before_draft(rows)
     assert share.holding
     one = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.05)
     one.cadence.decide_ms, one.costs.plain_ms = 1000.0, 40_000.0
-    one.choose_steps(make_rows(1))  # a row's share is the whole step at batch 1
+    one.before_draft(make_rows(1))  # a row's share is the whole step at batch 1
     assert not one.holding
     # a decision that drafts: no hold, and the next plain decision holds 1 step again
     r = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), hold_max=4)
     sure = dataclasses.replace(rows, recent_accept=torch.full((4,), 0.97))
-    assert (r.choose_steps(sure) > 0).all() and not r.holding
+    assert (r.before_draft(sure).steps > 0).all() and not r.holding
     with pytest.raises(ValueError, match="hold_max"):
         policies.get("adaptive", hold_max=-1)
     with pytest.raises(ValueError, match="hold_share"):
@@ -574,10 +590,14 @@ def test_adaptive_keeps_the_drafting_paths_fixed_cost_out_of_its_cost_tables():
     p.costs.step_residual = {("draft", 2): 2.0, ("plain", 2): 0.5, ("draft", 8): 30.0, ("plain", 8): 10.0}
     drafted = StepOutcome(torch.tensor([1, 0]), torch.tensor([3, 0]), torch.zeros(2), 0.010, 6)
     plain = StepOutcome(torch.tensor([0, 0]), torch.tensor([0, 0]), torch.zeros(2), 0.010, 2)
+    def record(outcome, steps):
+        return StepRecord.of(make_rows(len(steps)), intent_of(steps), outcome)
+
+    drafted = record(drafted, [1, 0])
     assert p._table_ms(drafted, 10.0) == pytest.approx(8.5)
-    assert p._table_ms(plain, 10.0) == pytest.approx(10.0)
+    assert p._table_ms(record(plain, [0, 0]), 10.0) == pytest.approx(10.0)
     wide = StepOutcome(torch.zeros(6, dtype=torch.long), torch.tensor([3, 0, 0, 0, 0, 0]), torch.zeros(6), 0.1, 9)
-    assert p._table_ms(wide, 100.0) == pytest.approx(80.0)
+    assert p._table_ms(record(wide, [1, 0, 0, 0, 0, 0]), 100.0) == pytest.approx(80.0)
     assert policies.get("dspark")._table_ms(drafted, 10.0) == 10.0
 
 
@@ -594,11 +614,10 @@ def test_adaptive_prices_diffusion_and_suffix_steps_by_one_estimate_of_the_draft
     p = policies.get("adaptive", hold_max=0)
     for kind in ["plain", "suffix", "diffusion"] * 12:
         steps = torch.full((B,), {"plain": 0, "suffix": -1, "diffusion": 1}[kind])
-        p.last_steps = steps
         n = B * (1 if kind == "plain" else 5)
         predicted = p.cost.step_ms_at(float(n), rows_per_pass(steps))
         extra = {"plain": 0.0, "suffix": 40.0, "diffusion": 1.0}[kind]
-        p.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 0 if kind == "plain" else 4),
+        observe(p, rows, steps, StepOutcome(torch.zeros(B, dtype=torch.long), torch.full((B,), 0 if kind == "plain" else 4),
                                     torch.zeros(B), (predicted + extra) / 1e3, n))
     assert p.draft_overhead_at(B) == p.draft_overhead_at(B, "suffix") > 10.0
     assert p.draft_overhead_ms == p.draft_overhead_at(B)
@@ -641,11 +660,11 @@ def _learn_diffusion(p, rows, won_share, steps: int) -> list[list[int]]:
     B = len(rows.request_ids)
     history = []
     for _ in range(steps):
-        chosen = p.choose_steps(rows)
+        chosen = p.before_draft(rows).steps
         history.append(chosen.tolist())
         expect, level = p.step.diffusion_expect
         won = (expect * won_share(level)).round().long()
-        p.observe(rows, StepOutcome(won, (chosen > 0).long() * 3, torch.zeros(B), 0.02, B))
+        observe(p, rows, chosen, StepOutcome(won, (chosen > 0).long() * 3, torch.zeros(B), 0.02, B))
     return history
 
 
@@ -661,12 +680,12 @@ def test_adaptive_recalibrates_the_plans_diffusion_acceptance_per_class():
     for recalibrate in (True, False):
         p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, replan_every=1, use_suffix=False,
                          steps_grid=(1,), diffusion_recalibrate=recalibrate)
-        assert (p.choose_steps(rows) >= 1).all()
+        assert (p.before_draft(rows).steps >= 1).all()
         # the greedy row (0) wins nothing, the sampled row (1) what was predicted
         _learn_diffusion(p, rows, lambda level: torch.tensor([0.0, 1.0]), 60)
         (greedy,), (sampled,) = p.diffusion_accept_ratio.tolist()
         # alone (no other row's drafter pass to share), a greedy row no longer drafts, a sampled one does
-        alone = [p.choose_steps(make_rows(1, 16, temperature=[t], ids=[f"r{t}"])).item() for t in (0.0, 1.0)]
+        alone = [p.before_draft(make_rows(1, 16, temperature=[t], ids=[f"r{t}"])).steps.item() for t in (0.0, 1.0)]
         if recalibrate:
             assert greedy < 0.4 and 0.7 < sampled < 1.3
             assert p.stats()["diffusion_accept"]["drafts"] > 60
@@ -686,11 +705,11 @@ def test_adaptive_recalibrates_each_step_count_of_its_grid():
     rows = make_rows(1, 16, temperature=[0.0])
     p = policies.get("adaptive", cost=cost, online_cost=False, hold_max=0, replan_every=1, use_suffix=False,
                      steps_grid=(1, 2))
-    assert p.choose_steps(rows).tolist() == [1]
+    assert p.before_draft(rows).steps.tolist() == [1]
     _learn_diffusion(p, rows, lambda level: (level == 1).double(), 40)  # one step wins nothing, two win all
     ratio = p.diffusion_accept_ratio
     assert float(ratio[0, 0]) < 0.95 and float(ratio[0, 1]) >= 1.0
-    assert p.choose_steps(rows).tolist() == [2]
+    assert p.before_draft(rows).steps.tolist() == [2]
     history = _learn_diffusion(p, rows, lambda level: (level == 1).double(), 400)
     # mostly two steps; one step retried now and then, as its evidence fades
     assert 0 < history.count([1]) < 40 and history.count([2]) > 300
@@ -710,16 +729,15 @@ def test_adaptive_credits_drafting_that_runs_under_an_overpriced_profile():
     for credit in (True, False):
         cost = CostModel(Table([1, 4, 8, 17, 1024], [14.0, 14.5, 16.0, 30.0, 500.0]), Table([1, 256], [12.0, 12.0]))
         p = policies.get("adaptive", cost=cost, hold_max=0, replan_every=1, steps_grid=(1,), draft_credit=credit)
-        assert not bool(p.choose_steps(rows).gt(0).any())  # priced out by the profile
+        assert not bool(p.before_draft(rows).steps.gt(0).any())  # priced out by the profile
         p._plan = None
         _observe_steps(p, rows, ["plain", "diffusion"] * 6, lambda i, kind: -10.0 if kind == "diffusion" else 0.0)
         overhead = p.draft_overhead_at(1)
         out = StepOutcome(torch.zeros(1, dtype=torch.long), torch.full((1,), 4), torch.zeros(1), 0.02, 5)
-        p.last_steps = torch.ones(1, dtype=torch.long)
-        assert p._table_ms(out, 20.0) == pytest.approx(20.0)  # the tables learn what the step took
+        assert p._table_ms(StepRecord.of(rows, intent_of([1]), out), 20.0) == pytest.approx(20.0)  # the tables learn what the step took
         assert p.draft_overhead_at(1, "suffix") == 0.0
         p._plan = None
-        drafts = bool(p.choose_steps(rows).gt(0).all())
+        drafts = bool(p.before_draft(rows).steps.gt(0).all())
         if credit:
             assert -cost.draft_ms_at([1]) - 1e-9 <= overhead < -5.0
             assert drafts

@@ -166,8 +166,8 @@ def test_toy_rule_through_the_engine(toy_rule, tmp_path):
     from workers.request import DecodeKnobs, SamplingParams
 
     class ToyDecisions(StaticDecisions):
-        def choose_verify(self, rows, draft):
-            dec = super().choose_verify(rows, draft)
+        def after_draft(self, rows, intent, draft):
+            dec = super().after_draft(rows, intent, draft)
             return VerifyDecision(draft_len=dec.draft_len, rule=torch.full_like(dec.rule, TOY),
                                   param=torch.full_like(dec.param, 0.05), param2=dec.param2)
 

@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
+import torch
 
 from policies.adaptive.guards import reachable
 from tests.tiny_models import make_tiny_target, run_to_completion, single_thread
+from workers.decisions import DraftIntent
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
 from workers.engine import Engine, EngineConfig
+from workers.step_record import StepRecord
 from workers.request import DecodeKnobs, EngineInputError, SamplingParams
 from workers.suffix import SEPARATOR, RecentOutputs, SuffixConfig, SuffixDrafter, TokenIndex, vote
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+COPY = -1  # a row that takes its suffix draft, in the per-row steps these tests compare (`decide`)
+_intents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # each policy's latest intent
+
+
+def decide(policy, rows) -> torch.Tensor:
+    """``policy.before_draft(rows)`` as per-row steps [B]: diffusion passes, 0 no draft, `COPY`
+    for a suffix copy; the intent is kept for `observe`."""
+    intent = _intents[policy] = policy.before_draft(rows)
+    return torch.where(intent.source == SUFFIX_CODE, COPY, intent.steps)
+
+
+def observe(policy, rows, outcome, steps: torch.Tensor | None = None) -> None:
+    """``policy.observe`` of a step that drafted with ``steps`` (as `decide` gives them), or with
+    the policy's latest intent (none yet: no row drafted)."""
+    if steps is not None:
+        source = torch.where(steps > 0, DIFFUSION_CODE, torch.where(steps == COPY, SUFFIX_CODE, NONE_CODE))
+        intent = DraftIntent(source, steps.clamp(min=0))
+    else:
+        intent = _intents.get(policy) or DraftIntent.none(rows.batch_size)
+    policy.observe(StepRecord.of(rows, intent, outcome))
 
 
 def test_longest_match_proposes_what_followed_it():
@@ -104,7 +131,7 @@ def test_suffix_drafts_leave_the_rows_recent_acceptance_alone(target):
 
     from policies.adaptive import AdaptivePolicy
     from tests.test_policies import make_rows
-    from workers.decisions import RECENT_NONE, SUFFIX, StepOutcome
+    from workers.decisions import RECENT_NONE, StepOutcome
 
     engine = Engine(EngineConfig(target=str(target), drafter=None, dtype="float32", max_batch=2, max_len=64))
     engine.add_request("a", [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=30, ignore_eos=True),
@@ -113,13 +140,13 @@ def test_suffix_drafts_leave_the_rows_recent_acceptance_alone(target):
     req = engine.running[0]
     while engine.has_unfinished() and req.verified == 0:
         engine.step()
-    assert req.verified > 0 and req.last_knobs[0] == SUFFIX
+    assert req.verified > 0 and req.last_knobs[0] == COPY
     assert req.recent_accept == RECENT_NONE
 
     policy, rows = AdaptivePolicy(), make_rows(2, 8)
-    policy.choose_steps(rows)
-    policy.last_steps = torch.tensor([SUFFIX, 1])  # row 0 copied, row 1 drafted by diffusion
-    policy.observe(rows, StepOutcome(torch.tensor([2, 1]), torch.tensor([3, 3]), torch.zeros(2), 0.01, 8))
+    decide(policy, rows)
+    observe(policy, rows, StepOutcome(torch.tensor([2, 1]), torch.tensor([3, 3]), torch.zeros(2), 0.01, 8),
+            steps=torch.tensor([COPY, 1]))  # row 0 copied, row 1 drafted by diffusion
     assert policy.book.idle.tolist() == [1.0, 0.0]
 
 
@@ -220,21 +247,21 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, StepOutcome
+    from workers.decisions import StepOutcome
 
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
                             suffix_recalibrate=False)  # its steps accept nothing; this test is about cost
     B = 4
     rows = _confident_suffix_rows(B)
-    assert (policy.choose_steps(rows) == SUFFIX).all()  # long confident matches, cheap slots: widen
+    assert (decide(policy, rows) == COPY).all()  # long confident matches, cheap slots: widen
     for _ in range(30):
-        steps = policy.choose_steps(rows)
+        steps = decide(policy, rows)
         k = int(policy.step.suffix_k.max())
         predicted = policy.cost.step_ms_at(float(B * (k + 1)))
         slow = 4.0 if k > 0 else 1.0  # widened steps take 4x their prediction, plain ones as predicted
-        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
+        observe(policy, rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
                                          slow * predicted / 1e3, B * (k + 1)))
-    assert (policy.choose_steps(rows) == 0).all() and policy.costs.suffix_cost_ratio["wide"] > 1.3
+    assert (decide(policy, rows) == 0).all() and policy.costs.suffix_cost_ratio["wide"] > 1.3
     # its calibration report: widened steps took far more than first predicted, plain ones as predicted
     cal = policy.stats()["suffix_calibration"]
     assert cal["wide@4"]["steps"] >= 1 and cal["wide@4"]["measured_ms"] > 1.3 * cal["wide@4"]["predicted_ms"]
@@ -252,7 +279,7 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     B = 8
     rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
@@ -262,11 +289,11 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
                     suffix_len=torch.tensor([8] + [0] * (B - 1)), suffix_score=torch.tensor([7.0] + [0.0] * (B - 1)),
                     suffix_match=torch.tensor([32] + [0] * (B - 1)))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=1.0)
-    padded = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0).choose_steps(rows)
+    padded = decide(AdaptivePolicy(cost=cost, online_cost=False, hold_max=0), rows)
     assert (padded == 0).all()
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
-    steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
-    assert steps[0] == SUFFIX and (steps[1:] == 0).all() and int(packed.step.suffix_k[0]) >= 4
+    steps = decide(packed, dataclasses.replace(rows, packed_verify=True))
+    assert steps[0] == COPY and (steps[1:] == 0).all() and int(packed.step.suffix_k[0]) >= 4
 
 
 def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
@@ -279,7 +306,7 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
 
     from policies.adaptive import AdaptivePolicy, suffix_candidates
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     B = 2
     rows = RowState(request_ids=["strong", "weak"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
@@ -289,11 +316,11 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
                     suffix_score=torch.tensor([7.0, 0.6]), suffix_match=torch.tensor([32, 2]))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
-    steps = packed.choose_steps(dataclasses.replace(rows, packed_verify=True))
-    assert steps.tolist() == [SUFFIX, 0]
+    steps = decide(packed, dataclasses.replace(rows, packed_verify=True))
+    assert steps.tolist() == [COPY, 0]
     assert int(packed.step.suffix_k[0]) >= 5 and int(packed.step.suffix_k[1]) == 0
     padded = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
-    padded.choose_steps(rows)
+    decide(padded, rows)
     k = padded.step.suffix_k.tolist()
     assert k[1] == min(2, k[0])  # one cap for both rows
 
@@ -315,7 +342,7 @@ def test_suffix_first_takes_every_suffix_draft_whole():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     B = 3
     rows = RowState(request_ids=["strong", "weak", "none"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
@@ -326,9 +353,9 @@ def test_suffix_first_takes_every_suffix_draft_whole():
                     packed_verify=True)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     chosen = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
-    assert chosen.choose_steps(rows).tolist() == [SUFFIX, 0, 0]
+    assert decide(chosen, rows).tolist() == [COPY, 0, 0]
     first = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_first=True)
-    assert first.choose_steps(rows).tolist() == [SUFFIX, SUFFIX, 0]
+    assert decide(first, rows).tolist() == [COPY, COPY, 0]
     assert first.step.suffix_k.tolist() == [8, 2, 0]
     expect = first.step.suffix_expect.tolist()
     assert expect[0] > expect[1] > 0 and expect[2] == 0
@@ -347,7 +374,7 @@ def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one(
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     B = 2
     table = {"match": [2, 4], "first": [0.5, 0.8], "accept": [0.6, 0.85], "vote": [0.0, 0.5, 0.99],
@@ -360,13 +387,13 @@ def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one(
                     suffix_vote=torch.tensor([[1.0, 1.0, 1.0, 1.0], [1 / 3, 1.0, 1.0, 1.0]]), packed_verify=True)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=4.0)
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
-    assert policy.choose_steps(rows).tolist() == [SUFFIX, 0]
+    assert decide(policy, rows).tolist() == [COPY, 0]
     assert int(policy.step.suffix_k[0]) >= 2 and int(policy.step.suffix_k[1]) == 0
     blind = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
-    blind.choose_steps(dataclasses.replace(rows, suffix_vote=None))
+    decide(blind, dataclasses.replace(rows, suffix_vote=None))
     assert blind.step.suffix_k[0] == blind.step.suffix_k[1] > 0
     off = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table, suffix_vote=False)
-    off.choose_steps(rows)  # the setting that ignores vote shares
+    decide(off, rows)  # the setting that ignores vote shares
     assert off.step.suffix_k.tolist() == blind.step.suffix_k.tolist()
 
 
@@ -411,7 +438,7 @@ def _observe_plain(policy, rows, n: int, seconds: float) -> None:
 
     B = rows.batch_size
     for _ in range(n):
-        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+        observe(policy, rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                                          torch.zeros(B), seconds, B))
 
 
@@ -423,7 +450,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
+    
 
     rows = _tight_and_copy_rows(14.5, generated=10)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
@@ -431,8 +458,8 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     for guard in (False, True):
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=guard, sla_slack=1.0)
         _observe_plain(policy, rows, 10, 0.014)  # 140 ms for 10 tokens, within 14.5 ms/token
-        steps = policy.choose_steps(rows)
-        assert steps.tolist() == [0, SUFFIX]
+        steps = decide(policy, rows)
+        assert steps.tolist() == [0, COPY]
         chosen[guard] = int(policy.step.suffix_k[1])
     assert chosen[False] >= 6
     # with the guard: 140 + 10 + 2·(2 + k) <= 14.5·11 = 159.5, so k <= 2
@@ -440,7 +467,7 @@ def test_sla_guard_keeps_a_row_on_its_tpot_target_while_another_copies():
     # a row without a target never constrains
     free = dataclasses.replace(rows, targets=[None, None])
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
-    policy.choose_steps(free)
+    decide(policy, free)
     assert int(policy.step.suffix_k[1]) == chosen[False]
 
 
@@ -456,7 +483,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
     from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
+    
 
     rows = _tight_and_copy_rows(12.0, generated=10)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
@@ -465,9 +492,9 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
                                 sla_guard_behind=behind, sla_guard_behind_rows=1)
         _observe_plain(policy, rows, 10, 0.014)  # 14 ms per token, past the 12 ms target
-        steps = policy.choose_steps(rows)
+        steps = decide(policy, rows)
         chosen[behind] = (steps.tolist(), int(policy.step.suffix_k[1]))
-    assert chosen[False][0] == [0, SUFFIX] and chosen[False][1] >= 6
+    assert chosen[False][0] == [0, COPY] and chosen[False][1] >= 6
     assert chosen[True] == ([0, 0], 0)
     # `sla_guard_behind_rows`: the veto only in batches of at least that many rows (this one has 2;
     # the default, 3: on by default from three rows)
@@ -477,7 +504,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
                                 sla_guard_behind=True, sla_guard_behind_rows=min_rows)
         _observe_plain(policy, rows, 10, 0.014)
-        steps = policy.choose_steps(rows)
+        steps = decide(policy, rows)
         assert (steps.tolist(), int(policy.step.suffix_k[1])) == want
     with pytest.raises(ValueError, match="sla_guard_behind_rows"):
         AdaptivePolicy(sla_guard_behind=True, sla_guard_behind_rows=0)
@@ -486,7 +513,7 @@ def test_sla_guard_behind_keeps_others_copies_from_slowing_a_late_row():
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0,
                             sla_guard_behind=True, sla_guard_behind_rows=1)
     _observe_plain(policy, own, 10, 0.014)
-    assert policy.choose_steps(own).tolist() == [0, SUFFIX]
+    assert decide(policy, own).tolist() == [0, COPY]
     assert int(policy.step.suffix_k[1]) >= 6
 
 
@@ -504,7 +531,7 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
     from adapt.targets import RequestTargets
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
+    
 
     rows = _tight_and_copy_rows(17.4, generated=11, decode_ms=torch.tensor([140.0, 140.0]))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
@@ -513,7 +540,7 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=clock != "unguarded",
                                 sla_clock="decode" if clock == "decode" else "wall", sla_slack=1.0)
         _observe_plain(policy, rows, 10, 0.010)  # ten 10 ms decode steps of one token each
-        assert policy.choose_steps(rows).tolist() == [0, SUFFIX]
+        assert decide(policy, rows).tolist() == [0, COPY]
         chosen[clock] = int(policy.step.suffix_k[1])
     # wall: 140 + 14 + 2k + 49 · (14 + 4) <= 17.4 · 60, so k <= 4 (now: 154 + 2k <= 191.4 allows 18)
     assert 1 <= chosen["wall"] <= 4
@@ -522,7 +549,7 @@ def test_sla_guard_looks_ahead_with_the_batchs_stalls():
     late = dataclasses.replace(rows, targets=[RequestTargets(tpot_ms=17.0), None])
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=1.0)
     _observe_plain(policy, late, 10, 0.010)
-    policy.choose_steps(late)
+    decide(policy, late)
     assert int(policy.step.suffix_k[1]) == chosen["unguarded"]
 
 
@@ -533,7 +560,7 @@ def test_sla_guard_keeps_a_headroom_of_sla_slack():
     draft, or nearly (100 + 14 + 2·8 ≤ 14.5 · 11 now, 800 + 2·8 ≤ 14.5 · 60 at the end)."""
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
+    
 
     rows = _tight_and_copy_rows(14.5, generated=10)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
@@ -541,9 +568,9 @@ def test_sla_guard_keeps_a_headroom_of_sla_slack():
     for slack in (1.0, 0.9):
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, sla_guard=True, sla_slack=slack)
         _observe_plain(policy, rows, 10, 0.010)
-        steps = policy.choose_steps(rows)
+        steps = decide(policy, rows)
         taken[slack] = int(policy.step.suffix_k[1])
-        assert steps.tolist() == ([0, SUFFIX] if taken[slack] else [0, 0])
+        assert steps.tolist() == ([0, COPY] if taken[slack] else [0, 0])
     assert taken[1.0] >= 6 and taken[0.9] == 0
 
 
@@ -555,7 +582,7 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, StepOutcome
+    from workers.decisions import StepOutcome
 
     # (the steps below accept nothing: acceptance recalibration off, this test is about cost)
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=1.0), online_cost=True,
@@ -564,10 +591,10 @@ def test_adaptive_policy_does_not_count_the_drafting_paths_fixed_cost_twice():
     B = 4
     rows = _confident_suffix_rows(B)
     for _ in range(10):
-        assert (policy.choose_steps(rows) == SUFFIX).all()
+        assert (decide(policy, rows) == COPY).all()
         k = int(policy.step.suffix_k.max())
         took = policy.cost.step_ms_at(float(B * (k + 1))) + policy.draft_overhead_at(B, "suffix")
-        policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
+        observe(policy, rows, StepOutcome(torch.zeros(B, dtype=torch.int64), policy.step.suffix_k.clone(), torch.zeros(B),
                                          took / 1e3, B * (k + 1)))
     assert abs(policy.costs.suffix_cost_ratio["wide"] - 1.0) < 0.02
 
@@ -580,7 +607,7 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX, StepOutcome
+    from workers.decisions import StepOutcome
 
     B = 4
     rows = _confident_suffix_rows(B)
@@ -589,24 +616,24 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
     for recalibrate in (True, False):
         policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table,
                                 suffix_recalibrate=recalibrate)
-        assert (policy.choose_steps(rows) == SUFFIX).all()
+        assert (decide(policy, rows) == COPY).all()
         for _ in range(40):
-            steps = policy.choose_steps(rows)
+            steps = decide(policy, rows)
             expect = policy.step.suffix_expect.clone() if policy.step.suffix_expect is not None else torch.zeros(B)
             won = (expect / 3).floor().long()  # a third of the table's prediction
-            policy.observe(rows, StepOutcome(won, policy.step.suffix_k.clone() if policy.step.suffix_k is not None
+            observe(policy, rows, StepOutcome(won, policy.step.suffix_k.clone() if policy.step.suffix_k is not None
                                              else torch.zeros(B, dtype=torch.int64), torch.zeros(B), 0.05, B))
         ratio = policy.stats()["suffix_accept"]["ratio"]
         if recalibrate:
             assert 0.2 < ratio < 0.5 and policy.suffix.drafts > 0
-            assert (policy.choose_steps(rows) == 0).all()  # at a third of the value the copies no longer pay
+            assert (decide(policy, rows) == 0).all()  # at a third of the value the copies no longer pay
             for _ in range(600):  # plain steps: the evidence fades and the copies are retried
-                policy.observe(rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                observe(policy, rows, StepOutcome(torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                                                  torch.zeros(B), 0.02, B))
             assert policy.suffix_accept_ratio > 0.9
-            assert (policy.choose_steps(rows) == SUFFIX).all()
+            assert (decide(policy, rows) == COPY).all()
         else:
-            assert ratio == 1.0 and (policy.choose_steps(rows) == SUFFIX).all()
+            assert ratio == 1.0 and (decide(policy, rows) == COPY).all()
 
 
 def test_adaptive_policy_prices_sampled_rows_copies_by_the_sampled_table():
@@ -619,7 +646,7 @@ def test_adaptive_policy_prices_sampled_rows_copies_by_the_sampled_table():
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import SUFFIX
+    
 
     B = 4
     rows = dataclasses.replace(_confident_suffix_rows(B), packed_verify=True,
@@ -628,9 +655,9 @@ def test_adaptive_policy_prices_sampled_rows_copies_by_the_sampled_table():
     table = dict(greedy, sampled={"match": [2, 12], "first": [0.1, 0.1], "accept": [0.2, 0.2]})
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.5)
     by_class = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
-    assert by_class.choose_steps(rows).tolist() == [SUFFIX, SUFFIX, 0, 0]
+    assert decide(by_class, rows).tolist() == [COPY, COPY, 0, 0]
     pooled = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=greedy)
-    assert pooled.choose_steps(rows).tolist() == [SUFFIX] * B
+    assert decide(pooled, rows).tolist() == [COPY] * B
 
 
 def test_adaptive_policy_recalibrates_suffix_acceptance_with_one_ratio_for_every_request():
@@ -652,11 +679,11 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_with_one_ratio_for_every
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=2.5), online_cost=False, hold_max=0,
                             suffix_accept=table)
     for _ in range(12):
-        policy.choose_steps(rows)
+        decide(policy, rows)
         k = policy.step.suffix_k.clone() if policy.step.suffix_k is not None else torch.zeros(B, dtype=torch.int64)
         won = torch.where(runs_on, k, 0)
-        policy.observe(rows, StepOutcome(won, k, torch.zeros(B), 0.05, int(B + k.sum())))
-    steps = policy.choose_steps(rows)
+        observe(policy, rows, StepOutcome(won, k, torch.zeros(B), 0.05, int(B + k.sum())))
+    steps = decide(policy, rows)
     assert len(set(steps.tolist())) == 1
 
 
@@ -686,7 +713,7 @@ def test_sla_reach_weighs_lateness_only_where_the_target_is_within_reach():
         torch.testing.assert_close(ctx["lateness"], torch.tensor([14 / 12, 14 / 4]))
         assert reachable(rows, ctx, torch.tensor([0.5, 0.5]), policy.costs.plain_step_ms(2, policy.cost)).tolist() == [True, False]
         assert reachable(rows, ctx, torch.tensor([0.1, 6.0]), policy.costs.plain_step_ms(2, policy.cost)).tolist() == [False, True]
-        policy.choose_steps(rows)  # the plan sets the rows' reach (with `sla_reach`) and weights
+        decide(policy, rows)  # the plan sets the rows' reach (with `sla_reach`) and weights
         weights[reach] = policy.weights(policy._ctx(rows, torch.device("cpu")))
     torch.testing.assert_close(weights[False], torch.tensor([1 + 2 * (14 / 12 - 0.9), 5.0]))
     torch.testing.assert_close(weights[True][0], weights[False][0])
@@ -722,7 +749,7 @@ def test_a_copy_that_wins_fewer_tokens_than_the_plan_is_not_taken():
     goodput, docs/benchmarks.md)."""
     import torch
 
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
                     generated=torch.full((1,), 10), temperature=torch.zeros(1), recent_accept=torch.full((1,), -1.0),
@@ -747,7 +774,7 @@ def test_a_step_that_copies_keeps_the_other_rows_diffusion_drafts():
     the pass measured no more goodput, docs/benchmarks.md)."""
     import torch
 
-    from workers.decisions import SUFFIX, RowState
+    from workers.decisions import RowState
 
     rows = RowState(request_ids=["r0", "r1"], knobs=[DecodeKnobs()] * 2, targets=[None, None],
                     position=torch.full((2,), 100), generated=torch.full((2,), 10), temperature=torch.zeros(2),
@@ -759,8 +786,8 @@ def test_a_step_that_copies_keeps_the_other_rows_diffusion_drafts():
     def choose(per_pass_ms: float, **settings):
         return _take_suffix_with(rows, steps, extra, toks, per_pass_ms, **settings)
 
-    assert choose(6.0) == ([SUFFIX, 1], [6, 0])
-    assert choose(0.1) == ([SUFFIX, 1], [6, 0])
+    assert choose(6.0) == ([COPY, 1], [6, 0])
+    assert choose(0.1) == ([COPY, 1], [6, 0])
 
 
 def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_plan(monkeypatch):

@@ -1,47 +1,52 @@
 """The decision interface between the engine and whoever chooses the knobs (contracts §5).
 
-Every engine step asks a `DecisionMaker` twice per row:
-1. `choose_steps(rows)`: the draft source and diffusion steps, one integer per row: `s` > 0 =
-   draft with the diffusion drafter in `s` passes; 0 = do not draft (decode autoregressively);
-   `SUFFIX` (-1) = take the row's suffix draft (workers/suffix.py; free, a point mass, verified
-   with exact rules only). `rows.suffix_len / suffix_score / suffix_match` describe each row's
-   suffix draft when the engine has a suffix drafter and the decision maker reads them
-   (``reads_suffix = True``) or a row's knobs ask for suffix drafts;
-2. `choose_verify(rows, draft)`: after drafting, the draft length `k` to verify and the
-   acceptance rule with its parameters, from features of the draft distributions only
-   (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
-   Not asked on a step where no row drafts (every s = 0): there is nothing to verify;
-and reports the outcome with `observe`. Where a request pinned knobs (`DecodeKnobs.pinned`,
-workers/pins.py), the engine overrides both answers for its row; it then tells the decision maker
-the steps each row really drafts with through the optional `steps_applied(steps)` ([B] host
-int64), before drafting, so that what it learns in `observe` matches what ran.
-Optionally, between the two, `draft_span(rows, steps)`
-(``steps``: the first answer as host ints): the most drafted tokens any diffusion row may verify
-this step; the engine then denoises only that many positions of the drafter's block (a pass
-over `[anchor, MASK x span]` instead of `[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0
-at one row, 8.8 instead of 17.6 at eight, for span 4 of 16), and no row verifies more. Without
-it the whole block is denoised. The engine never imports policies or the controller; it is
-handed an object with these three methods. `StaticDecisions` (the default) returns each
-request's own `DecodeKnobs`.
+Every decode step the engine asks a `DecisionMaker` in two phases and then tells it what ran:
+1. `before_draft(rows) -> DraftIntent`: per row, the **draft source** (`DraftIntent.source`: a
+   code of workers/draft_sources.py: none, diffusion, suffix, ...) and the diffusion passes
+   `steps` of diffusion rows; and the **span**: the most drafted tokens any diffusion row may
+   verify this step, so the drafter denoises only that many positions of its block (a pass over
+   `[anchor, MASK x span]` instead of `[anchor, MASK x K]`: on this CPU 2.6 ms instead of 4.0 at
+   one row, 8.8 instead of 17.6 at eight, for span 4 of 16; 0 = the whole block).
+   `rows.suffix_len / suffix_score / suffix_match` describe each row's suffix draft when the
+   engine has a suffix drafter and the decision maker reads them (``reads_suffix = True``) or a
+   row's knobs ask for suffix drafts;
+2. `after_draft(rows, intent, draft) -> VerifyDecision`: after drafting, the draft length `k` to
+   verify and the acceptance rule with its parameters, from features of the draft distributions
+   only (never the sampled tokens: the choice must not anticipate the draw, or exactness breaks).
+   Not asked on a step where no row drafts: there is nothing to verify;
+3. `observe(record)`: the step's `workers.step_record.StepRecord` (rows, intent, plan, outcome,
+   phase times).
+
+Between 1 and 2 the engine applies the requests' pins (`DecodeKnobs.pinned`, workers/pins.py) to
+the intent, drops sources a row has no draft from (an empty suffix draft), and sets the span it
+really denoises (the whole block on an engine whose drafter programs have the block's shape:
+`RowState.fixed_span`). `after_draft` and `observe` receive that **applied** intent, so what a
+decision maker learns matches what ran. The engine never imports policies or the controller; it
+is handed an object with these three methods and two declarations (`reads_draft_features`,
+`reads_suffix`). `StaticDecisions` (the default) returns each request's own `DecodeKnobs`.
 
 Exact rule per row (what `lossless` rows always get, see docs/engine.md):
 - temperature 0: GREEDY;
 - sampled, and the recorded draft probabilities are true conditionals (s = 1, or left-to-right
   commits): REJECTION;
-- otherwise (most-confident-first commits with s > 1): MATCH.
+- otherwise (most-confident-first commits with s > 1, or point-mass drafts such as suffix copies): MATCH.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kernels.rules import LENIENT_RULE, exact_rules  # noqa: F401  (exact_rules: re-exported)
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
 from workers.request import DecodeKnobs
 
-SUFFIX = -1  # choose_steps' answer for "draft from the suffix drafter"
+if TYPE_CHECKING:
+    from workers.step_record import StepRecord
+
+SUFFIX = -1  # the engine's internal steps code of a suffix row (drafting, pins, commit)
 RECENT_NONE = -1.0  # the recent acceptance of a row that has not verified any draft yet
 
 
@@ -81,7 +86,10 @@ class RowState:
     None where there is no wall clock (a trace replay).
     closed: a **closed batch**: no request waits and the engine's caller promised that none joins
     until these rows have all finished (`Engine.closed`: an offline batch). A row that finishes
-    early then frees a slot nobody takes: the batch ends with its slowest row."""
+    early then frees a slot nobody takes: the batch ends with its slowest row.
+    fixed_span: the engine's drafter programs have the whole block's shape (a compiled engine):
+    it denoises the whole block whatever `DraftIntent.span` asks, so a decision maker need not
+    work one out."""
 
     request_ids: list[str]
     knobs: list[DecodeKnobs]
@@ -102,6 +110,40 @@ class RowState:
     packed_verify: bool = False               # the target verifies each row's own positions, not the padded batch
     decode_ms: torch.Tensor | None = None     # [B] float32 wall ms since the row's first token
     closed: bool = False                      # a closed batch: nothing waits, nothing will join
+    fixed_span: bool = False                  # the drafter denoises its whole block whatever span is asked
+
+
+@dataclass(frozen=True)
+class DraftIntent:
+    """What a decision maker asks of drafting before any draft exists (`before_draft`), and, as
+    the engine applied it (pins, empty drafts, the span really denoised), what drafting did.
+
+    source: each row's draft source code (workers/draft_sources.py: `NONE_CODE`,
+    `DIFFUSION_CODE`, `SUFFIX_CODE`, ...); steps: the diffusion passes of diffusion rows (0
+    elsewhere); span: the block positions the drafter denoises (0 = the whole block; in an
+    applied intent, the positions it did denoise)."""
+
+    source: torch.Tensor  # [B] int64 (host)
+    steps: torch.Tensor   # [B] int64 (host)
+    span: int = 0
+
+    @classmethod
+    def none(cls, batch: int) -> "DraftIntent":
+        """No row drafts (autoregressive decoding)."""
+        zeros = torch.zeros(batch, dtype=torch.int64)
+        return cls(zeros, zeros)
+
+    @classmethod
+    def of_steps(cls, steps: torch.Tensor, span: int = 0) -> "DraftIntent":
+        """The intent of per-row steps [B] in the engine's internal code (s > 0 diffusion
+        passes, 0 no draft, `SUFFIX` a suffix copy)."""
+        steps = steps.to(torch.int64).cpu()
+        source = torch.where(steps > 0, DIFFUSION_CODE, torch.where(steps == SUFFIX, SUFFIX_CODE, NONE_CODE))
+        return cls(source, steps.clamp(min=0), int(span))
+
+    def as_steps(self) -> torch.Tensor:
+        """[B] int64 host: the engine's internal steps code of these rows (`of_steps`)."""
+        return torch.where(self.source == SUFFIX_CODE, SUFFIX, torch.where(self.source == DIFFUSION_CODE, self.steps, 0))
 
 
 @dataclass(frozen=True)
@@ -154,43 +196,50 @@ class StepOutcome:
 
 
 class DecisionMaker(Protocol):
-    """What the engine asks each step. A decision maker may set ``reads_draft_features = False``
-    when `choose_verify` ignores ``draft.confidence / entropy / margin``: the engine then skips
-    computing them (a top-2 and an entropy over [B, K, V]) unless it writes traces."""
+    """What the engine asks each step (the module docstring). Two declarations, read once a step:
+    ``reads_draft_features``: `after_draft` reads ``draft.confidence / entropy / margin`` (False:
+    the engine skips computing them, a top-2 and an entropy over [B, K, V], unless it writes
+    traces); ``reads_suffix``: `before_draft` reads the rows' suffix drafts (the engine then
+    computes them for every row; else only for rows whose knobs ask for suffix drafts)."""
 
-    def choose_steps(self, rows: RowState) -> torch.Tensor: ...  # [B] int64
-    def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision: ...
-    def observe(self, rows: RowState, outcome: StepOutcome) -> None: ...
-    # optional: def draft_span(self, rows: RowState, steps: list[int]) -> int (module docstring)
-    # optional: def steps_applied(self, steps: torch.Tensor) -> None (pins overrode steps; module docstring)
+    reads_draft_features: bool
+    reads_suffix: bool
+
+    def before_draft(self, rows: RowState) -> DraftIntent: ...
+    def after_draft(self, rows: RowState, intent: DraftIntent, draft: DraftFeatures) -> VerifyDecision: ...
+    def observe(self, record: StepRecord) -> None: ...
 
 
 class StaticDecisions:
-    """Each request's own knobs, every step: s = knobs.steps (0 when draft_len = 0; `SUFFIX` for
-    knobs.source = 'suffix'), k = knobs.draft_len; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the
-    draft probabilities are true conditionals (its TVD report needs them), the exact rule
-    otherwise. It never reads the draft features."""
+    """Each request's own knobs, every step: source knobs.source ('none' where draft_len = 0),
+    diffusion in knobs.steps passes, k = knobs.draft_len, span the longest draft_len of a
+    diffusion row; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the draft
+    probabilities are true conditionals (its TVD report needs them), the exact rule otherwise.
+    It never reads the draft features; it reads suffix drafts only where a row's knobs ask for
+    them (the engine computes them for those rows anyway)."""
 
     reads_draft_features = False
+    reads_suffix = False
 
-    def choose_steps(self, rows: RowState) -> torch.Tensor:
-        return torch.tensor([0 if kn.draft_len <= 0 or kn.source == "none" else SUFFIX if kn.source == "suffix" else kn.steps
-                             for kn in rows.knobs], dtype=torch.int64)
+    def before_draft(self, rows: RowState) -> DraftIntent:
+        source, steps = [], []  # host lists: no tensor is read
+        for kn in rows.knobs:
+            drafts = kn.draft_len > 0 and kn.source != "none"
+            diffusion = drafts and kn.source != "suffix" and kn.steps > 0
+            source.append(DIFFUSION_CODE if diffusion else SUFFIX_CODE if drafts and kn.source == "suffix" else NONE_CODE)
+            steps.append(kn.steps if diffusion else 0)
+        span = 0 if rows.fixed_span else max((kn.draft_len for kn, s in zip(rows.knobs, steps) if s > 0), default=0)
+        return DraftIntent(torch.tensor(source, dtype=torch.int64), torch.tensor(steps, dtype=torch.int64), span)
 
-    def draft_span(self, rows: RowState, steps: list[int]) -> int:
-        """The most drafted tokens a diffusion row (``steps``, host ints, > 0) verifies this step:
-        its knobs' draft length (the engine denoises only that many block positions)."""
-        return max((kn.draft_len for kn, s in zip(rows.knobs, steps) if s > 0), default=0)
-
-    def choose_verify(self, rows: RowState, draft: DraftFeatures) -> VerifyDecision:
+    def after_draft(self, rows: RowState, intent: DraftIntent, draft: DraftFeatures) -> VerifyDecision:
         dev = draft.steps.device  # the host: reads only host tensors, answers on the host
         k = torch.tensor([kn.draft_len for kn in rows.knobs], dtype=torch.int64, device=dev)
         eps = torch.tensor([kn.tvd_budget for kn in rows.knobs], dtype=torch.float32, device=dev)
         temp = rows.temperature.to(dev)
         lenient = (eps > 0) & (temp > 0) & draft.conditional
         rule = torch.where(lenient, int(LENIENT_RULE), draft.exact_rule).to(torch.int32)
-        return VerifyDecision(draft_len=torch.where(draft.steps != 0, k, 0), rule=rule,
+        return VerifyDecision(draft_len=torch.where(intent.source.to(dev) != NONE_CODE, k, 0), rule=rule,
                               param=torch.where(lenient, eps, 0.0), param2=torch.zeros_like(eps))
 
-    def observe(self, rows: RowState, outcome: StepOutcome) -> None:
+    def observe(self, record: StepRecord) -> None:
         return None

@@ -46,7 +46,8 @@ from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
 from workers.backends import resolve_backend
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, warm_up
-from workers.decisions import SUFFIX, DecisionMaker, DraftFeatures, RowState, StaticDecisions, StepOutcome
+from workers.decisions import (SUFFIX, DecisionMaker, DraftFeatures, DraftIntent, RowState, StaticDecisions,
+                               StepOutcome)
 from workers.decode_log import DecodeLog
 from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
 from workers.linear import WIDE_ROWS, prepare_for_inference
@@ -54,6 +55,7 @@ from workers.pins import StepPins, clamp_to_block, pin_clamp, row_pins
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
 from workers.sampling import probabilities
 from workers.step_batch import RequestState, StepBatch, StepPlan, StepResult, common_value, sampling_tensors
+from workers.step_record import StepObserver, StepRecord
 from workers.suffix import SuffixConfig, SuffixDrafter
 from workers.target_model import load_target, resolve_dtype
 from workers.verification import AcceptCounters, Verifier, next_tokens
@@ -247,6 +249,12 @@ class Engine:
         self.verifier = Verifier(AcceptCounters(config.max_batch, self.width, self.device), self.device)
         self.decisions = decisions or StaticDecisions()
         self.trace_sink = trace_sink
+        # told of every decode step (`StepRecord`) and prefill, after the decision maker
+        # (workers/step_record.py): how benchmarks and instruments see steps
+        self.observers: list[StepObserver] = []
+        # synchronise CUDA at each phase boundary of a decode step, so that `StepRecord.times`
+        # are the phases' device times (an observer that needs them sets it; costs overlap)
+        self.sync_phases = False
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.requests: dict[str, RequestState] = {}
@@ -490,6 +498,8 @@ class Engine:
         ran = sum(lens_host) if pack else m * P  # the tokens this forward computed
         per = 1e3 * took / ran
         self.prefill_ms_per_token = per if self.prefill_ms_per_token is None else 0.5 * (self.prefill_ms_per_token + per)
+        for observer in self.observers:
+            observer.on_prefill(took, m)
         return outputs
 
     def _admit(self) -> int:
@@ -505,9 +515,10 @@ class Engine:
         return admit_count(waiting, rows, free, mode=self.admission, ms_per_token=self.prefill_ms_per_token,
                            max_wait_ms=self.config.admission_max_wait_ms, packed=self.pack)
 
-    def _batch(self, rows: RowState, steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> StepBatch:
-        """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision maker
-        chose them and the rows' pins (None: no row pins anything) set them."""
+    def _batch(self, rows: RowState, intent: DraftIntent, steps: torch.Tensor, steps_host: list[int],
+               pins: StepPins | None) -> StepBatch:
+        """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision
+        maker's `intent` asked and the rows' pins (None: no row pins anything) set them."""
         dev, run = self.device, self.running
         temp, top_k, top_p = sampling_tensors(run, dev)
         l2r = torch.tensor([r.knobs.commit_order == "left-to-right" for r in run])
@@ -518,31 +529,31 @@ class Engine:
             anchors=torch.tensor([r.output[-1] for r in run], device=dev), temperature=temp, top_k=top_k, top_p=top_p,
             steps=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
             conditional=conditional, exact_rule=exact_rules(rows.temperature, conditional),
-            lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(rows, steps, steps_host, pins))
+            lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(intent, steps, steps_host, pins))
 
-    def _span(self, rows: RowState, steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> int:
-        """The block positions the drafter denoises this step: the decision maker's `draft_span`
-        (the most drafted tokens any diffusion row may verify; optional, default the whole block),
-        widened to the draft lengths pinned rows verify, in [1, K]; the whole block on a compiled
-        engine (its drafter programs have the block's shape) or when no row drafts by diffusion."""
+    def _span(self, intent: DraftIntent, steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> int:
+        """The block positions the drafter denoises this step: the intent's span (the most drafted
+        tokens any diffusion row may verify; 0 = the whole block), widened to the draft lengths
+        pinned rows verify, in [1, K]; the whole block where the backend runs whole blocks only
+        (its drafter programs have the block's shape) or when no row drafts by diffusion."""
         K = self.block
-        ask = getattr(self.decisions, "draft_span", None)
-        if ask is None or not self.backend.partial_span or not any(s > 0 for s in steps_host):
+        if not self.backend.partial_span or not any(s > 0 for s in steps_host):
             return K
-        span = int(ask(rows, steps_host))
+        span = intent.span or K
         if pins is not None:
             span = max(span, pins.span(steps))
         return max(1, min(K, span))
 
-    def _plan(self, batch: StepBatch, feats: DraftFeatures, pins: StepPins | None) -> StepPlan:
-        """Draft lengths and rules per row: the decision maker's, with the rows' pins applied
+    def _plan(self, batch: StepBatch, intent: DraftIntent, feats: DraftFeatures, pins: StepPins | None) -> StepPlan:
+        """Draft lengths and rules per row: the decision maker's (`after_draft`, told the applied
+        `intent`), with the rows' pins applied
         (`StepPins.apply_verify`), capped by the draft each row has and its remaining tokens, with the rules each row really verifies with
         (`kernels.rules.enforce_rules`: GREEDY at T = 0, exact rules for lossless rows and suffix
         drafts, MATCH where q are not conditionals). The draft lengths size the target forward,
         so the host reads them: computed on the host when the decision maker answers with host
         tensors (as `StaticDecisions` and the policies do), on the device otherwise (one sync)."""
         rows, K = batch.rows, self.width
-        dec = self.decisions.choose_verify(rows, feats)
+        dec = self.decisions.after_draft(rows, intent, feats)
         on_host = all(t.device.type == "cpu" for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         at = torch.device("cpu") if on_host else self.device
         k, rule, param, param2 = (t.to(at) for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
@@ -569,34 +580,29 @@ class Engine:
         return StepPlan(k, rule, param, param2, k_host, rule_host, p1_host, p2_host, layout)
 
     def _decode(self) -> list[RequestOutput]:
-        t0 = self.clock()
+        t0 = self._tick()
         run, K = self.running, self.width
         rows = self._row_state()
-        steps = self.decisions.choose_steps(rows).to(torch.int64).cpu().clamp(SUFFIX, self.block)  # host [B]
-        pins = StepPins.of([r.pins for r in run])  # the knobs requests pinned win (workers/pins.py)
-        if pins is not None:
-            steps, pins = pins.apply_steps(steps, rows.remaining)
-            steps = steps.clamp(SUFFIX, self.block)
-        if rows.suffix_len is None:  # no suffix drafts this step
-            steps = steps.clamp(min=0)
-        else:  # a row without a suffix draft does not draft
-            steps = torch.where((steps == SUFFIX) & (rows.suffix_len == 0), 0, steps)
+        # (1) the decision maker's intent, with the rows' pins applied
+        intent = self.decisions.before_draft(rows)
+        steps, pins = self._applied_steps(rows, intent)  # host [B]
         s_host = steps.tolist()
-        if pins is not None and getattr(self.decisions, "steps_applied", None) is not None:
-            self.decisions.steps_applied(steps)  # what it learns from this step is what ran
+        t_decide = self._tick()
         if not any(s_host):  # no row drafts this step
-            return self._decode_plain(rows, t0)
-        batch = self._batch(rows, steps, s_host, pins)
+            return self._decode_plain(rows, pins, t0, t_decide)
+        batch = self._batch(rows, intent, steps, s_host, pins)
+        applied = DraftIntent.of_steps(steps, batch.span)  # what drafting does
 
         # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
         # over the first `span` positions of the block (the most any of them may verify)
         drafts = draft_step(batch, self.drafting, K, self._reads_features())
-        t_draft = self.clock()
+        t_draft = self._tick()
 
         # (3) draft length and rule per row; lossless rows get exact rules only
         feats = DraftFeatures(batch.steps, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
                               batch.conditional)
-        batch = batch.planned(self._plan(batch, feats, pins))
+        batch = batch.planned(self._plan(batch, applied, feats, pins))
+        t_choose = self._tick()
 
         # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
         kmax = batch.plan.max_k
@@ -609,6 +615,7 @@ class Engine:
                                              **self._pack_args(packed, batch.plan))
         if self.drafting is not None:
             self.drafting.stash(run, hidden, Tq)
+        t_forward = self._tick()
         tracing = self.trace_sink is not None
         trace_feats = (drafts.confidence, drafts.entropy, drafts.margin) if tracing else ()
         if kmax == 0:  # no row verifies a draft: each row just samples its next token
@@ -617,9 +624,30 @@ class Engine:
         else:
             out = self.verifier.verify(batch, logits, drafts.tokens, drafts.q, packed, drafts.vocab_ids)
             host, Kc = self.verifier.commit(batch, out, trace_feats)  # (5) the step's one host read
-        now = self.clock()
+        now = self._tick()
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
-        return self._conclude(batch, result, (t0, t_draft, now))
+        return self._conclude(batch, applied, pins, result, (t0, t_decide, t_draft, t_choose, t_forward, now))
+
+    def _applied_steps(self, rows: RowState, intent: DraftIntent) -> tuple[torch.Tensor, StepPins | None]:
+        """Each row's steps s [B] (host; the engine's internal code: > 0 diffusion passes, 0 no
+        draft, `SUFFIX`) as `intent` asks, overridden by the rows' pins (workers/pins.py: the knobs
+        requests pinned win), with suffix rows that have no suffix draft set to 0; and the step's
+        pins (None: no row pins anything)."""
+        steps = intent.as_steps().cpu().clamp(SUFFIX, self.block)
+        pins = StepPins.of([r.pins for r in self.running])
+        if pins is not None:
+            steps, pins = pins.apply_steps(steps, rows.remaining)
+            steps = steps.clamp(SUFFIX, self.block)
+        if rows.suffix_len is None:  # no suffix drafts this step
+            return steps.clamp(min=0), pins
+        return torch.where((steps == SUFFIX) & (rows.suffix_len == 0), 0, steps), pins
+
+    def _tick(self) -> float:
+        """The engine's clock at a phase boundary of a decode step (`StepRecord.times`), the
+        device synchronised first where `sync_phases` asks for it."""
+        if self.sync_phases and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.clock()
 
     def _packed(self, plan: StepPlan, Tq: int) -> torch.Tensor | None:
         """[B + N] flat positions (row-major into [B, Tq]) of each row's anchor and verified
@@ -646,10 +674,10 @@ class Engine:
             return {"packed": packed, "packed_counts": [x + 1 for x in k]}
         return {"packed": packed}
 
-    def _decode_plain(self, rows: RowState, t0: float) -> list[RequestOutput]:
+    def _decode_plain(self, rows: RowState, pins: StepPins | None, t0: float, t_decide: float) -> list[RequestOutput]:
         """The decode step when no row drafts (every s = 0; autoregressive decoding): one target
         forward over each row's anchor, one token per row, without the drafting and verification
-        machinery. `choose_verify` is not asked (there is nothing to verify); each row records its
+        machinery. `after_draft` is not asked (there is nothing to verify); each row records its
         exact rule (GREEDY at T = 0, REJECTION otherwise) with parameters 0."""
         dev, run, B = self.device, self.running, len(self.running)
         lens = [r.length for r in run]
@@ -658,6 +686,7 @@ class Engine:
                                              start_value=common_value(lens))
         if self.drafting is not None:
             self.drafting.stash(run, hidden, 1)
+        t_forward = self._tick()
         sampled = any(r.generator is not None for r in run)
         temp, top_k, top_p = sampling_tensors(run, dev) if sampled else (None, None, None)
         feats = ()
@@ -665,16 +694,22 @@ class Engine:
             zeros = torch.zeros(B, self.width, device=dev)
             feats = (zeros, zeros, zeros)
         host = self.verifier.sample_next(logits[:, 0], run, temp, top_k, top_p, feats)
-        now = self.clock()
+        now = self._tick()
         batch = StepBatch.without_drafts(run, rows)
         result = StepResult.unpack(host, 1, 0, 3 * self.width if feats else 0)
-        return self._conclude(batch, result, (t0, t0, now))
+        return self._conclude(batch, DraftIntent.none(B), pins, result, (t0, t_decide, t_decide, t_decide, t_forward, now))
 
-    def _conclude(self, batch: StepBatch, result: StepResult, times: tuple[float, float, float]):
+    def _conclude(self, batch: StepBatch, intent: DraftIntent, pins: StepPins | None, result: StepResult,
+                  times: tuple[float, ...]):
         """The host side of a decode step, after its one host read: each row commits its accepted
         drafts + 1 (workers/commit.py), emits its tokens and checks its stop conditions; trace
-        records are written, the decision maker is told, finished slots are freed."""
+        records are written, the decision maker and then the observers are told (`StepRecord`,
+        with the applied `intent` and the phase `times`: the clock at the step's start and after
+        its decide, draft, choose, forward and accept phases), finished slots are freed."""
         plan, K, B = batch.plan, self.width, batch.size
+        t0, t_decide, t_draft, t_choose, t_forward, t_accept = times
+        drafted = any(batch.steps_host)  # some row drafted (host ints: no tensor read)
+        trace_times = (t0, t_draft if drafted else t0, t_accept)  # a step without drafts drafted for 0 ms
         # positions in the target forward: each row's own (packed) or rows padded to the longest
         positions = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
         tracing = self.trace_sink is not None
@@ -688,33 +723,40 @@ class Engine:
                     clamp)
             if tracing:
                 records.append(trace_record(req, self.step_count, result.features[i], K, s_i, kk, rule_i,
-                                            plan.param_host[i], plan.param2_host[i], ai, tvd_i, times, B, positions))
-            reason = emit(req, new, times[2], self.max_len)
+                                            plan.param_host[i], plan.param2_host[i], ai, tvd_i, trace_times, B, positions))
+            reason = emit(req, new, t_accept, self.max_len)
             outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, request_stats(req)))
             if reason is not None:
                 done.append(i)
         if tracing:
             self.trace_sink.write(records)
-        self.decisions.observe(batch.rows, StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len_host),
-                                                       torch.tensor(result.tvd), times[2] - times[0], positions,
-                                                       any_verified=any(plan.draft_len_host)))
+        outcome = StepOutcome(torch.tensor(result.accepted), torch.tensor(plan.draft_len_host), torch.tensor(result.tvd),
+                              t_accept - t0, positions, any_verified=any(plan.draft_len_host))
+        phases = {"decide": t_decide - t0, "draft": t_draft - t_decide, "choose": t_choose - t_draft,
+                  "forward": t_forward - t_choose, "accept": t_accept - t_forward}
+        pinned = torch.zeros(B, dtype=torch.bool) if pins is None else pins.pinned
+        record = StepRecord(self.step_count, batch.rows, intent, plan if drafted else None, outcome, pinned, phases)
+        self.decisions.observe(record)
         self.step_count += 1
         self._release(done)
+        phases["conclude"] = self._tick() - t_accept
+        for observer in self.observers:
+            observer.on_step(record)
         return outputs
 
     # -- helpers ------------------------------------------------------------------------
     def _reads_features(self) -> bool:
         """Whether this step's draft features (confidence, entropy, margin: a top-2 and an
         entropy over [B, K, V], ~10% of a speculative step at batch 1 on CPU) have a reader: the
-        trace sink, or a decision maker that does not declare ``reads_draft_features = False``."""
-        return self.trace_sink is not None or getattr(self.decisions, "reads_draft_features", True)
+        trace sink, or a decision maker that declares ``reads_draft_features``."""
+        return self.trace_sink is not None or self.decisions.reads_draft_features
 
     def _wants_suffix(self) -> bool:
         """Whether this step computes suffix drafts: the engine has a suffix drafter, and the
         decision maker reads them (``reads_suffix``) or a running row's knobs ask for them."""
         if self.suffix is None:
             return False
-        return getattr(self.decisions, "reads_suffix", False) or any(r.knobs.source == "suffix" for r in self.running)
+        return self.decisions.reads_suffix or any(r.knobs.source == "suffix" for r in self.running)
 
     def _row_state(self) -> RowState:
         run = self.running
@@ -734,6 +776,7 @@ class Engine:
             recent_accept=torch.tensor([r.recent_accept for r in run]), tvd_spent=torch.tensor([r.tvd for r in run]),
             remaining=torch.tensor([remaining(r, self.max_len) for r in run]), batch_size=len(run), block_size=self.width,
             has_drafter=self.drafter is not None, packed_verify=self.pack, closed=self.closed and not self.waiting,
+            fixed_span=not self.backend.partial_span,
             decode_ms=torch.tensor([1e3 * (now - r.t_first) for r in run], dtype=torch.float32), **suffix)
 
     def _release(self, idx: list[int]) -> None:

@@ -134,6 +134,11 @@ class StepPins:
         forced = pinned & (s != chosen) & (s != 0)
         return s, dataclasses.replace(self, forced=forced)
 
+    @property
+    def pinned(self) -> torch.Tensor:
+        """[B] bool (host): rows whose request pinned some knob (`StepRecord.pinned`)."""
+        return self.steps != FREE
+
     def span(self, steps: torch.Tensor) -> int:
         """The most drafted tokens a pinned diffusion row (s > 0) verifies this step (0: none)."""
         want = torch.where(self.draft_len >= 0, self.draft_len, torch.where(self.forced, self.knob_draft_len, 0))

@@ -122,7 +122,7 @@ class StepBatch:
     conditional: torch.Tensor           # [B] bool (host): q are the proposal's true conditionals
     exact_rule: torch.Tensor            # [B] int32 (host) the row's exact rule (kernels.rules.exact_rules)
     lossless: torch.Tensor              # [B] bool (host)
-    span: int = 0                       # block positions the drafter denoises this step (`draft_span`); 0 = its K
+    span: int = 0                       # block positions the drafter denoises this step (`DraftIntent.span`); 0 = its K
     plan: StepPlan | None = None
 
     @property

@@ -229,17 +229,17 @@ class DecisionRecorder:
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def choose_steps(self, rows):
-        return self.policy.choose_steps(rows)
+    def before_draft(self, rows):
+        return self.policy.before_draft(rows)
 
-    def choose_verify(self, rows, draft):
-        dec = self.policy.choose_verify(rows, draft)
+    def after_draft(self, rows, intent, draft):
+        dec = self.policy.after_draft(rows, intent, draft)
         self.records.append((draft.steps.cpu().clone(), dec.draft_len.cpu().clone(), dec.rule.cpu().clone(),
                              rows.remaining.cpu().clone(), rows.temperature.cpu().clone()))
         return dec
 
-    def observe(self, rows, outcome):
-        return self.policy.observe(rows, outcome)
+    def observe(self, record):
+        return self.policy.observe(record)
 
     def summary(self, K: int) -> dict:
         """Shares over row-steps: s chosen, k verified (what the engine would enforce: k ≤ K on rows

@@ -66,20 +66,20 @@ class KnobsBaseline:
     def _rows(self, rows):
         return dataclasses.replace(rows, knobs=[self.apply(k) for k in rows.knobs])
 
-    def choose_steps(self, rows):
+    def before_draft(self, rows):
         t0 = time.thread_time()
-        steps = self._static.choose_steps(self._rows(rows))
+        intent = self._static.before_draft(self._rows(rows))
         self.decision_s += time.thread_time() - t0
         self.steps_decided += 1
-        return steps
+        return intent
 
-    def choose_verify(self, rows, draft):
+    def after_draft(self, rows, intent, draft):
         t0 = time.thread_time()
-        dec = self._static.choose_verify(self._rows(rows), draft)
+        dec = self._static.after_draft(self._rows(rows), intent, draft)
         self.decision_s += time.thread_time() - t0
         return dec
 
-    def observe(self, rows, outcome) -> None:
+    def observe(self, record) -> None:
         return None
 
     def stats(self) -> dict:

@@ -58,8 +58,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """What one step decided, passed from phase to phase (`choose_steps` → `draft_span` →
-    `choose_verify` → `observe`): suffix_k [B] suffix draft lengths (0: the row takes none;
+    """What one step decided, passed from phase to phase (`before_draft` → `after_draft` →
+    `observe`): suffix_k [B] suffix draft lengths (0: the row takes none;
     None: no suffix choice made); suffix_expect [B] their table-predicted accepted tokens
     (before recalibration); suffix_pred (table ms, widened?, fixed drafting ms, predicted ms) of
     the suffix choice, for its cost correction; diffusion_expect ([B] prior-predicted extra
@@ -197,12 +197,12 @@ def price_span(p, K: int) -> None:
 
 
 def span_of(p, rows, steps: list[int]) -> tuple[int, bool]:
-    """(`draft_span`, whether `choose_verify` will verify every drafted slot at it): the longest
+    """(the intent's span, whether `after_draft` will verify every drafted slot at it): the longest
     draft the plan gives a diffusion row, plus ``span_headroom`` positions (after drafting,
     confident drafts may verify a little past the plan: on SmolLM2's mixed workload no row
     verified past plan + 2, docs/controller.md); the whole block where verifying every slot is
     nearly free (`flat`), with ``span_headroom`` None, or without a plan for these rows. Where
-    every drafted slot is verified, `choose_verify` reads no draft features and the engine need
+    every drafted slot is verified, `after_draft` reads no draft features and the engine need
     not compute them (`reads_draft_features`).
 
     On SmolLM2 the first k positions of a truncated block draft as well as the whole block's

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from policies.base import Policy, outcome_ms, rows_per_pass
+from workers.decisions import DraftIntent
 
 from . import objective
 from .cadence import Cadence
@@ -111,22 +112,22 @@ class AdaptivePolicy(Policy):
         """The engine computes suffix drafts for this policy's next step: not while it holds."""
         return self.use_suffix and self.cadence.left == 0
 
-    def choose_steps(self, rows) -> torch.Tensor:
+    def before_draft(self, rows):
         if self.cadence.holds(rows, self.hold_joins_rows):
             t0 = time.thread_time()
             self.cadence.held()
-            steps = torch.zeros(len(rows.request_ids), dtype=torch.int64, device=rows.temperature.device)
-            self.last_steps, self.step = steps, StepDecision(suffix_k=torch.zeros_like(steps))
+            intent = DraftIntent.none(len(rows.request_ids))
+            self.step = StepDecision(suffix_k=intent.steps)
             self.decision_s += time.thread_time() - t0
             self.steps_decided += 1
-            return steps
+            return intent
         broke = self.cadence.broken()
         before = self.decision_s
-        steps = super().choose_steps(rows)
+        intent = super().before_draft(rows)
         saw_all = getattr(rows, "suffix_len", None) is not None or not (self.use_suffix and broke)
-        self.cadence.decided(self, rows, not bool((steps != 0).any()), 1e3 * (self.decision_s - before),
+        self.cadence.decided(self, rows, not bool(intent.source.any()), 1e3 * (self.decision_s - before),
                              self.costs.plain_ms, saw_all)
-        return steps
+        return intent
 
     def _steps(self, rows, ctx):
         B = len(rows.request_ids)
@@ -172,8 +173,8 @@ class AdaptivePolicy(Policy):
 
     @property
     def reads_draft_features(self) -> bool:
-        """Whether this step's `choose_verify` reads the drafts' features (confidence, entropy,
-        margin, which the engine computes only for a reader): not where `draft_span` found that
+        """Whether this step's `after_draft` reads the drafts' features (confidence, entropy,
+        margin, which the engine computes only for a reader): not where `span_of` found that
         every drafted slot will be verified (`plan.flat`), which needs no predictor."""
         return self.step.flat is not True
 
@@ -210,23 +211,25 @@ class AdaptivePolicy(Policy):
         """`draft_overhead_at` the latest step's batch size, for diffusion drafting."""
         return self.draft_overhead_at(self.costs.batch)
 
-    def _table_ms(self, outcome, step_ms: float) -> float:
+    def _table_ms(self, record, step_ms: float) -> float:
         """A step that verified drafts teaches the cost tables its time less `draft_overhead_at`
         (charged separately): else the tables absorb the drafting path's fixed cost too
         (measured on the demo pair: a verify table steep from 1 to 2 tokens per row and the fixed
         cost counted twice)."""
-        source = self.costs.step_source(outcome, self.last_steps)
+        outcome = record.outcome
+        source = self.costs.step_source(outcome, record.intent.steps)
         if source != "plain":
             return max(step_ms - self.draft_overhead_at(len(outcome.accepted), source, credit=False), 1e-3)
         return step_ms
 
-    def observe(self, rows, outcome) -> None:
+    def observe(self, record) -> None:
+        rows, outcome, steps = record.rows, record.outcome, record.intent.steps
         predicted = None  # this step's cost as predicted before `super().observe` nudges the tables
-        if self.online_cost and self.last_steps is not None:
-            predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps))
-        super().observe(rows, outcome)
+        if self.online_cost:
+            predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(steps))
+        super().observe(record)
         measured = outcome_ms(outcome)
-        source = self.costs.step_source(outcome, self.last_steps) if predicted is not None and measured > 0 else None
+        source = self.costs.step_source(outcome, steps) if predicted is not None and measured > 0 else None
         self.costs.observe(outcome, measured, predicted, source)
         step = self.step  # its expectations are learned from once
         if step.suffix_expect is not None or step.diffusion_expect is not None or step.suffix_pred is not None:

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 # (attribute path on the engine, method, phase): the calls whose operations each phase counts
 PHASES = (
-    ("decisions", "choose_steps", "decide.choose_steps"),
-    ("decisions", "choose_verify", "decide.choose_verify"),
+    ("decisions", "before_draft", "decide.before_draft"),
+    ("decisions", "after_draft", "decide.after_draft"),
     ("decisions", "observe", "decide.observe"),
     ("verifier", "verify", "verify"),
     ("verifier", "commit", "verify.commit"),
