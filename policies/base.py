@@ -14,8 +14,9 @@ A *policy* answers the engine's three calls every step, for every row of the bat
 
 `Policy` implements the bookkeeping every policy needs (per-request targets and SLA progress,
 budgets, decision timing, online cost correction) and leaves two methods to subclasses:
-`_steps(rows, ctx)` (steps per row: > 0 diffusion passes, 0 no draft, `SUFFIX` a suffix copy)
-and `_verify(rows, draft, ctx)`, with an optional third, `_span(rows, steps)`. Policies never import `adapt`: a fitted
+`_steps(rows, ctx)` (diffusion passes per row, 0 = no draft; or `_choose(rows, ctx)` for a
+policy that picks other draft sources too) and `_verify(rows, draft, ctx)`, with an optional
+third, `_span(rows, steps)`. Policies never import `adapt`: a fitted
 acceptance predictor and step-cost model are handed in (`predictor=`, `cost=`; see
 `adapt.controller.build_policy`), with simple built-in stand-ins from `policies.defaults`.
 
@@ -126,14 +127,14 @@ class Policy:
 
     # -- the DecisionMaker protocol --------------------------------------------------------------
     def before_draft(self, rows):
-        """The step's `DraftIntent`: `_steps` per row, and `_span` where some row drafts by
+        """The step's `DraftIntent`: `_choose` per row, and `_span` where some row drafts by
         diffusion and the engine denoises partial blocks (``rows.fixed_span`` False)."""
         from workers.decisions import DraftIntent
 
         t0 = time.thread_time()
         device = rows.temperature.device
         ctx = self._ctx(rows, device)
-        steps = self._steps(rows, ctx).to(device=device, dtype=torch.int64)
+        source, steps = self._choose(rows, ctx)
         self.steps_decided += 1
         span = 0
         if not rows.fixed_span:
@@ -141,7 +142,7 @@ class Policy:
             if any(s > 0 for s in steps_host):
                 span = self._span(rows, steps_host)
         self.decision_s += time.thread_time() - t0
-        return DraftIntent.of_steps(steps, span)
+        return DraftIntent(source.to(torch.int64).cpu(), steps.to(torch.int64).cpu(), span)
 
     def after_draft(self, rows, intent, draft):
         t0 = time.thread_time()
@@ -178,6 +179,14 @@ class Policy:
         return step_ms
 
     # -- to implement ----------------------------------------------------------------------------
+    def _choose(self, rows, ctx: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft source code and diffusion steps ([B] int64 each): rows with `_steps`
+        s > 0 draft by diffusion in s passes, the others draft nothing."""
+        from workers.draft_sources import DIFFUSION_CODE, NONE_CODE
+
+        steps = self._steps(rows, ctx).to(torch.int64).clamp(min=0)
+        return torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE), steps
+
     def _steps(self, rows, ctx: dict) -> torch.Tensor:
         raise NotImplementedError
 

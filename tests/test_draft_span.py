@@ -198,16 +198,16 @@ def test_the_engine_computes_no_draft_features_for_an_adaptive_policy_that_verif
     """Where verifying every drafted slot is nearly free (`flat_share` large here) the adaptive
     policy reads no draft features, the engine skips computing them, and greedy output is still
     the target's own, token for token."""
-    import workers.drafting as drafting
+    import workers.sampling as sampling
 
     calls = []
-    inner = drafting.draft_features
+    inner = sampling.draft_features
 
     def counted(q):
         calls.append(q.shape)
         return inner(q)
 
-    monkeypatch.setattr(drafting, "draft_features", counted)
+    monkeypatch.setattr(sampling, "draft_features", counted)
     engine = _engine()
     engine.decisions = policies.get("adaptive", flat_share=100.0, hold_max=0, use_suffix=False)
     widths = _record_block_widths(engine)

@@ -100,11 +100,11 @@ def test_features_to_host_is_one_packed_copy_of_the_same_values():
 
     g = torch.Generator().manual_seed(0)
     conf, ent, margin = (torch.rand(3, 5, generator=g) for _ in range(3))
-    feats = DraftFeatures(torch.tensor([2, 0, -1]), conf, ent, margin, torch.tensor([1, 0, 2], dtype=torch.int32),
-                          torch.tensor([True, False, True]))
+    feats = DraftFeatures(torch.tensor([2, 0, 0]), conf, ent, margin, torch.tensor([1, 0, 2], dtype=torch.int32),
+                          torch.tensor([True, False, True]), torch.tensor([1, 0, 2]))  # diffusion, none, suffix
     with SyncCounter(torch.device("cpu")) as c:
         host = feats.to_host()
-    assert sum(c.host_reads.values()) == 0 and sum(c.to_host.values()) == 4  # 1 packed [B, 3K] + 3 host fields
-    for name in ("steps", "confidence", "entropy", "margin", "exact_rule", "conditional"):
+    assert sum(c.host_reads.values()) == 0 and sum(c.to_host.values()) == 5  # 1 packed [B, 3K] + 4 host fields
+    for name in ("steps", "confidence", "entropy", "margin", "exact_rule", "conditional", "source"):
         a, b = getattr(feats, name), getattr(host, name)
         assert torch.equal(a, b) and a.dtype == b.dtype, name

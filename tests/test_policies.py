@@ -518,8 +518,8 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     rows = make_rows(4)
     p = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0, hold_joins_rows=4)
     decided = []
-    inner = p._steps
-    p._steps = lambda r, ctx: decided.append(1) or inner(r, ctx)
+    inner = p._choose
+    p._choose = lambda r, ctx: decided.append(1) or inner(r, ctx)
     held = []
     for _ in range(16):
         held.append(p.holding)
@@ -538,8 +538,8 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     # policy decides (without the suffix drafts the engine skipped) and does not hold
     strict = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0)
     strict_decided = []
-    inner_strict = strict._steps
-    strict._steps = lambda r, ctx: strict_decided.append(1) or inner_strict(r, ctx)
+    inner_strict = strict._choose
+    strict._choose = lambda r, ctx: strict_decided.append(1) or inner_strict(r, ctx)
     for _ in range(3):  # decided, held, decided: a hold of 2 begins
         strict.before_draft(rows)
     assert strict.holding and len(strict_decided) == 2
@@ -744,3 +744,23 @@ def test_adaptive_credits_drafting_that_runs_under_an_overpriced_profile():
         else:
             assert overhead == 0.0
             assert not drafts
+
+
+def test_adaptive_acceptance_corrections_skip_pinned_rows():
+    """A pinned row drafted as its request said, not as the policy chose: the suffix and
+    diffusion acceptance corrections learn only from the other rows (`StepRecord.pinned`)."""
+    from policies.adaptive.plan import StepDecision
+
+    def learn(pinned: list[bool]):
+        p = policies.get("adaptive", hold_max=0, online_cost=False)
+        rows = make_rows(2)
+        # row 0 copied its suffix draft (4 tokens predicted), row 1 drafted by diffusion (2 predicted)
+        p.step = StepDecision(suffix_expect=torch.tensor([4.0, 0.0]),
+                              diffusion_expect=(torch.tensor([0.0, 2.0]), torch.tensor([0, 0])))
+        outcome = StepOutcome(torch.tensor([0, 0]), torch.tensor([4, 4]), torch.zeros(2), 0.01, 10)
+        p.observe(StepRecord(0, rows, intent_of([-1, 1]), None, outcome, torch.tensor(pinned), {}))
+        return p.suffix.drafts, p.suffix.predicted, p.diffusion.drafts, sum(p.diffusion.sums(len(p.steps_grid))[1])
+
+    assert learn([False, False]) == (1, 4.0, 1, 2.0)
+    assert learn([True, False]) == (0, 0.0, 1, 2.0)   # the copy was pinned: nothing learned of it
+    assert learn([False, True]) == (1, 4.0, 0, 0.0)   # the diffusion draft was pinned

@@ -131,7 +131,7 @@ def test_toy_rule_is_reported_by_name(toy_rule):
     from workers.decode_log import DecodeLog
 
     log = DecodeLog()
-    log.record(1, 3, TOY, 2)
+    log.record(1, 1, 3, TOY, 2)  # diffusion (code 1) in 1 pass
     assert log.summary()["rules"] == {"THRESHOLD": 1} and log.used()["rules_used"] == "THRESHOLD"
 
 

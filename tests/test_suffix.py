@@ -140,7 +140,7 @@ def test_suffix_drafts_leave_the_rows_recent_acceptance_alone(target):
     req = engine.running[0]
     while engine.has_unfinished() and req.verified == 0:
         engine.step()
-    assert req.verified > 0 and req.last_knobs[0] == COPY
+    assert req.verified > 0 and req.last_knobs[0] == SUFFIX_CODE
     assert req.recent_accept == RECENT_NONE
 
     policy, rows = AdaptivePolicy(), make_rows(2, 8)
@@ -737,7 +737,8 @@ def _take_suffix_with(rows, steps, extra, toks, per_pass_ms: float, **settings):
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
                             online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
     ctx = policy._ctx(rows, torch.device("cpu"))
-    out, choice = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+    copy, choice = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+    out = torch.where(copy, COPY, steps)
     return out.tolist(), choice.suffix_k.tolist()
 
 
@@ -832,7 +833,8 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
             policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=3.0, per_row_ms=0.2),
                                     online_cost=False, hold_max=0, suffix_recalibrate=False)
             ctx = policy._ctx(rows, torch.device("cpu"))
-            out, choice = take_suffix(policy, rows, ctx, steps.clone(), extra.clone(), toks.clone(), shortcut)
+            copy, choice = take_suffix(policy, rows, ctx, steps.clone(), extra.clone(), toks.clone(), shortcut)
+            out = torch.where(copy, COPY, steps)
             answers.append((out.tolist(), choice.suffix_k.tolist(), choice.suffix_pred))
         quick, full = answers
         assert quick[:2] == full[:2]

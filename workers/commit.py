@@ -11,27 +11,28 @@ from __future__ import annotations
 
 import time
 
-from workers.decisions import SUFFIX, next_recent_accept
+from workers.decisions import next_recent_accept
+from workers.draft_sources import SUFFIX_CODE
 from workers.step_batch import RequestState, source_name
-from workers.traces import TRACE_VERSION
+from workers.traces import COPY_STEPS, TRACE_VERSION
 
 
-def advance(req: RequestState, steps: int, draft_len: int, rule: int, accepted: int, tvd: float,
+def advance(req: RequestState, source: int, steps: int, draft_len: int, rule: int, accepted: int, tvd: float,
             accept_per_position: list[float] | None, clamp: str | None = None) -> None:
-    """Count one decode step of `req` that drafted with `steps` (`SUFFIX`: a suffix draft),
-    verified `draft_len` drafts with `rule` and accepted `accepted`; `clamp`: why a pinned knob
-    was cut this step (workers/pins.py), None if none was."""
+    """Count one decode step of `req` that drafted from source code `source` (in `steps`
+    diffusion passes; 0 for other sources), verified `draft_len` drafts with `rule` and accepted
+    `accepted`; `clamp`: why a pinned knob was cut this step (workers/pins.py), None if none was."""
     req.passes += 1
     req.ema_before = req.recent_accept
     req.accepted += accepted
     req.verified += draft_len
     req.tvd += tvd
-    if steps > 0:  # diffusion drafts only: a suffix draft's acceptance has its own model (its match)
+    if steps > 0:  # diffusion drafts only: a copy's acceptance has its own model (a suffix draft's: its match)
         req.recent_accept = next_recent_accept(req.recent_accept, accepted, draft_len)
     if accept_per_position is not None:  # else the counters did not change
         req.apos = accept_per_position
-    req.last_knobs = (steps, draft_len, rule)
-    req.log.record(steps, draft_len, rule, accepted, clamp)
+    req.last_knobs = (source, steps, draft_len, rule)
+    req.log.record(source, steps, draft_len, rule, accepted, clamp)
     req.length += accepted + 1
 
 
@@ -68,10 +69,11 @@ def request_stats(req: RequestState) -> dict:
     }
 
 
-def trace_record(req: RequestState, step: int, feats: list[float], K: int, s: int, k: int, rule: int, param: float,
+def trace_record(req: RequestState, step: int, feats: list[float], K: int, source: int, s: int, k: int, rule: int, param: float,
                  param2: float, a: int, tvd: float, times: tuple[float, float, float], B: int, num_tokens: int) -> dict:
     """The trace record of `req`'s row in decode step `step`, written after the step's commit
-    (position / generated / recent_accept as they were before it). times: (start, drafted, done)
+    (position / generated / recent_accept as they were before it); `source`: the row's source code,
+    `s` its diffusion steps (0 for other sources). times: (start, drafted, done)
     perf_counter seconds; num_tokens: positions in the step's target forward (rows padded)."""
     t0, t_draft, now = times
     before = req.length - a - 1
@@ -79,11 +81,11 @@ def trace_record(req: RequestState, step: int, feats: list[float], K: int, s: in
         "v": TRACE_VERSION, "request_id": req.request_id, "step": step, "time": time.time(),
         "position": before, "generated": len(req.output),
         "temperature": float(req.params.temperature), "recent_accept": req.ema_before,
-        "batch_size": B, "num_tokens": num_tokens, "steps": s, "draft_len": k, "rule": rule,
-        "source": source_name(s, k), "suffix_match": req.suffix_draft.match_len if s == SUFFIX else 0,
+        "batch_size": B, "num_tokens": num_tokens, "steps": COPY_STEPS if source == SUFFIX_CODE else s, "draft_len": k, "rule": rule,
+        "source": source_name(source, k), "suffix_match": req.suffix_draft.match_len if source == SUFFIX_CODE else 0,
         "param": param, "param2": param2, "commit_order": req.knobs.commit_order,
-        "confidence": feats[:K] if s else [], "entropy": feats[K : 2 * K] if s else [],
-        "margin": feats[2 * K : 3 * K] if s else [], "accepted": a,
+        "confidence": feats[:K] if source else [], "entropy": feats[K : 2 * K] if source else [],
+        "margin": feats[2 * K : 3 * K] if source else [], "accepted": a,
         "accept_flags": [1] * a + [0] * (k - a), "tvd_spent": tvd,
         "draft_ms": (t_draft - t0) * 1e3, "verify_ms": (now - t_draft) * 1e3, "step_ms": (now - t0) * 1e3,
     }

@@ -40,13 +40,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kernels.rules import LENIENT_RULE, exact_rules  # noqa: F401  (exact_rules: re-exported)
-from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
+from workers import draft_sources
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE
 from workers.request import DecodeKnobs
 
 if TYPE_CHECKING:
     from workers.step_record import StepRecord
-
-SUFFIX = -1  # the engine's internal steps code of a suffix row (drafting, pins, commit)
 RECENT_NONE = -1.0  # the recent acceptance of a row that has not verified any draft yet
 
 
@@ -133,26 +132,16 @@ class DraftIntent:
         zeros = torch.zeros(batch, dtype=torch.int64)
         return cls(zeros, zeros)
 
-    @classmethod
-    def of_steps(cls, steps: torch.Tensor, span: int = 0) -> "DraftIntent":
-        """The intent of per-row steps [B] in the engine's internal code (s > 0 diffusion
-        passes, 0 no draft, `SUFFIX` a suffix copy)."""
-        steps = steps.to(torch.int64).cpu()
-        source = torch.where(steps > 0, DIFFUSION_CODE, torch.where(steps == SUFFIX, SUFFIX_CODE, NONE_CODE))
-        return cls(source, steps.clamp(min=0), int(span))
-
-    def as_steps(self) -> torch.Tensor:
-        """[B] int64 host: the engine's internal steps code of these rows (`of_steps`)."""
-        return torch.where(self.source == SUFFIX_CODE, SUFFIX, torch.where(self.source == DIFFUSION_CODE, self.steps, 0))
-
 
 @dataclass(frozen=True)
 class DraftFeatures:
-    """Features of this step's drafts. Rows that did not draft have steps 0 and zero features;
-    suffix rows have steps `SUFFIX` and, as confidence, each drafted token's vote share
-    (workers/suffix.py; entropy and margin 0). confidence = max prob of q, entropy of q (nats),
-    margin = top-1 minus top-2 prob of q, per drafted position: [B, K] on the engine's device;
-    steps, exact_rule (the engine's exact rule per row) and conditional: [B], known before
+    """Features of this step's drafts. Rows that did not draft have zero features; point-mass
+    rows (e.g. suffix copies) have, as confidence, each drafted token's probability under their
+    source (a suffix token's vote share, workers/suffix.py; entropy and margin 0).
+    confidence = max prob of q, entropy of q (nats), margin = top-1 minus top-2 prob of q, per
+    drafted position: [B, K] on the engine's device; steps (diffusion passes, 0 on other rows),
+    exact_rule (the engine's exact rule per row), conditional and source (each row's source code,
+    the applied intent's; None: diffusion where steps > 0, no draft elsewhere): [B], known before
     drafting, host (CPU) tensors, so that a decision maker that reads only them (as
     `StaticDecisions` does) answers on the host and costs no device sync."""
 
@@ -162,6 +151,7 @@ class DraftFeatures:
     margin: torch.Tensor       # [B, K] float32
     exact_rule: torch.Tensor   # [B] int32 (host)
     conditional: torch.Tensor  # [B] bool: q are true conditionals (REJECTION is exact) (host)
+    source: torch.Tensor | None = None  # [B] int64 (host)
 
     def to_host(self) -> "DraftFeatures":
         """The same features on the CPU, read in one packed copy (one host sync on a GPU): a
@@ -170,7 +160,8 @@ class DraftFeatures:
         K = self.confidence.shape[1]
         packed = torch.cat([self.confidence, self.entropy, self.margin], 1).cpu()  # [B, 3K]
         return DraftFeatures(self.steps.cpu(), packed[:, :K], packed[:, K : 2 * K], packed[:, 2 * K :],
-                             self.exact_rule.cpu(), self.conditional.cpu())
+                             self.exact_rule.cpu(), self.conditional.cpu(),
+                             None if self.source is None else self.source.cpu())
 
 
 @dataclass(frozen=True)
@@ -211,7 +202,8 @@ class DecisionMaker(Protocol):
 
 
 class StaticDecisions:
-    """Each request's own knobs, every step: source knobs.source ('none' where draft_len = 0),
+    """Each request's own knobs, every step: source knobs.source ('none' where draft_len = 0, or
+    diffusion in 0 steps),
     diffusion in knobs.steps passes, k = knobs.draft_len, span the longest draft_len of a
     diffusion row; lossless -> the exact rule; `tvd=E` -> EPS_TVD with budget E where the draft
     probabilities are true conditionals (its TVD report needs them), the exact rule otherwise.
@@ -224,10 +216,11 @@ class StaticDecisions:
     def before_draft(self, rows: RowState) -> DraftIntent:
         source, steps = [], []  # host lists: no tensor is read
         for kn in rows.knobs:
-            drafts = kn.draft_len > 0 and kn.source != "none"
-            diffusion = drafts and kn.source != "suffix" and kn.steps > 0
-            source.append(DIFFUSION_CODE if diffusion else SUFFIX_CODE if drafts and kn.source == "suffix" else NONE_CODE)
-            steps.append(kn.steps if diffusion else 0)
+            code = draft_sources.by_name(kn.source).code if kn.draft_len > 0 else NONE_CODE
+            if code == DIFFUSION_CODE and kn.steps <= 0:
+                code = NONE_CODE
+            source.append(code)
+            steps.append(kn.steps if code == DIFFUSION_CODE else 0)
         span = 0 if rows.fixed_span else max((kn.draft_len for kn, s in zip(rows.knobs, steps) if s > 0), default=0)
         return DraftIntent(torch.tensor(source, dtype=torch.int64), torch.tensor(steps, dtype=torch.int64), span)
 

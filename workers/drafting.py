@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from kernels.denoise import select_commit
-from workers.decisions import SUFFIX
+from workers import draft_sources
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE
 from workers.kv_cache import KVCache
-from workers.sampling import argmax, draft_features, inverse_cdf_sample, probabilities
+from workers.sampling import argmax, inverse_cdf_sample, probabilities
 from workers.step_batch import StepBatch, common_value
 
 PENDING_WINDOW = 64  # target positions a row may stash before its drafter context is written
@@ -291,64 +291,54 @@ class DrafterContext:
                        pick(batch.left_to_right), uniforms, self.vocab_ids)
 
 
-def suffix_drafts(requests, steps: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The suffix drafts (`RequestState.suffix_draft`) of rows with s = SUFFIX, padded: tokens
-    [B, width] int64 and their vote shares [B, width] float32 (CPU; other rows zero)."""
-    B = len(requests)
-    tok, conf = np.zeros((B, width), np.int64), np.zeros((B, width), np.float32)
-    for i, (req, s) in enumerate(zip(requests, steps)):
-        if s == SUFFIX:
-            d = req.suffix_draft
-            tok[i, : len(d.tokens)], conf[i, : len(d.probs)] = d.tokens, d.probs
-    return torch.from_numpy(tok), torch.from_numpy(conf)
-
-
 @dataclass(frozen=True)
 class StepDrafts:
     """Every row's draft in a step, padded to the engine's width K (rows without a draft: zeros):
     tokens, q (None unless a diffusion row drafted: the distribution each token was drawn from,
     over the draft vocabulary, whose target ids are `vocab_ids`; None = the whole vocabulary),
-    and the features the decision maker and the traces read (confidence: max of q, or a suffix
-    token's vote share; entropy and margin of q)."""
+    the features the decision maker and the traces read (confidence: max of q, or a point-mass
+    token's probability under its source, e.g. a suffix token's vote share; entropy and margin
+    of q), and the drafted tokens per row (the most each may verify)."""
 
     tokens: torch.Tensor       # [B, K] int64
-    q: torch.Tensor | None     # [B, K, Vd] float32
+    q: torch.Tensor | None     # [B, span, Vd] float32
     confidence: torch.Tensor   # [B, K] float32
     entropy: torch.Tensor      # [B, K] float32
     margin: torch.Tensor       # [B, K] float32
+    lengths: torch.Tensor      # [B] int64 (host)
     vocab_ids: torch.Tensor | None = None  # [Vd] int64
 
 
-def draft_step(batch: StepBatch, context: DrafterContext | None, width: int, with_features: bool) -> StepDrafts:
-    """The drafts of one step: suffix rows (s = SUFFIX) take their suffix drafts, rows with s > 0
-    are denoised together (their drafter context flushed first). `with_features`: compute the
-    diffusion rows' features (a top-2 and an entropy over [B, K, Vd]); zeros otherwise."""
-    B, K = batch.size, width
+def draft_step(engine, batch: StepBatch, with_features: bool) -> StepDrafts:
+    """The drafts of one step: each source that some row's applied intent names
+    (`StepBatch.source`) proposes the drafts of its rows (workers/draft_sources.py: diffusion
+    rows are denoised together over the first `span` positions of the block, suffix rows take
+    their suffix drafts). `with_features`: compute the diffusion rows' features (a top-2 and an
+    entropy over [B, span, Vd]); zeros otherwise. At most one source's drafts carry q (diffusion)."""
+    B, K = batch.size, engine.width
     dev = batch.lengths.device
-    rows = batch.diffusion_rows
-    span = batch.span or K  # in [1, K] (`Engine._span`)
+    vocab_ids = None if engine.drafting is None else engine.drafting.vocab_ids
+    codes = sorted(set(batch.source_host) - {NONE_CODE})
+    if codes == [DIFFUSION_CODE] and len(batch.diffusion_rows) == B:  # every row by diffusion: its drafts are the step's
+        p = draft_sources.by_code(DIFFUSION_CODE).propose(engine, batch, list(range(B)), with_features)
+        span = p.tokens.shape[1]
+        pad = (lambda t: t) if span == K else (lambda t: torch.nn.functional.pad(t, (0, K - span)))  # zeros past the span
+        return StepDrafts(pad(p.tokens), p.q, pad(p.confidence), pad(p.entropy), pad(p.margin), p.lengths, vocab_ids)
+    tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
+    conf = torch.zeros(B, K, device=dev)
+    ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
+    lengths = torch.zeros(B, dtype=torch.int64)
     q_all = None
-    whole = bool(rows) and len(rows) == B  # every row drafts by diffusion: its drafts are the step's
-    if not whole:  # rows without a diffusion draft read zeros (suffix rows: their copies)
-        tokens = torch.zeros(B, K, dtype=torch.long, device=dev)
-        conf = torch.zeros(B, K, device=dev)
-        ent, margin = torch.zeros_like(conf), torch.zeros_like(conf)
-        if SUFFIX in batch.steps_host:  # vote shares as confidence, host-built
-            tok_s, conf_s = suffix_drafts(batch.requests, batch.steps_host, K)
-            tokens, conf = tok_s.to(dev), conf_s.to(dev)
-    if rows:
-        context.flush(batch.requests, rows)
-        tok_d, q_d = context.draft(batch, rows, span)                                   # [Bd, span], [Bd, span, Vd]
-        if with_features:
-            c, e, mg = draft_features(q_d)
-        else:  # nobody reads them: zeros, as for rows that do not draft
-            c = e = mg = torch.zeros(len(rows), span, device=dev)
-        if whole:  # zeros past the span, as rows that do not draft read
-            pad = (lambda t: t) if span == K else (lambda t: torch.nn.functional.pad(t, (0, K - span)))
-            tokens, conf, ent, margin, q_all = pad(tok_d), pad(c), pad(e), pad(mg), q_d
-        else:  # q stays `span` wide: no diffusion row verifies past it (`Engine._plan` caps k; a
-            # suffix row may, and `Verifier.ragged` pads q for it)
-            sel = torch.tensor(rows, device=dev)
-            tokens[sel, :span], conf[sel, :span], ent[sel, :span], margin[sel, :span] = tok_d, c, e, mg
-            q_all = torch.zeros(B, span, q_d.shape[-1], device=dev).index_copy_(0, sel, q_d)
-    return StepDrafts(tokens, q_all, conf, ent, margin, None if context is None else context.vocab_ids)
+    for code in codes:
+        idx = [i for i, c in enumerate(batch.source_host) if c == code]
+        p = draft_sources.by_code(code).propose(engine, batch, idx, with_features)
+        W = p.tokens.shape[1]
+        sel = torch.tensor(idx, device=dev)
+        tokens[sel, :W], conf[sel, :W] = p.tokens.to(dev), p.confidence.to(dev)
+        if p.entropy is not None:
+            ent[sel, :W], margin[sel, :W] = p.entropy, p.margin
+        if p.q is not None:  # q stays `W` wide: no row of this source verifies past it (`Engine._plan` caps k;
+            # a point-mass row may, and `Verifier.ragged` pads q for it)
+            q_all = torch.zeros(B, W, p.q.shape[-1], device=dev).index_copy_(0, sel, p.q)
+        lengths[idx] = p.lengths
+    return StepDrafts(tokens, q_all, conf, ent, margin, lengths, vocab_ids)

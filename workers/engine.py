@@ -8,14 +8,17 @@ Words used here (see also workers/decisions.py):
 - **step**: one `Engine.step()`: one decode step over all running rows, then the prefill of newly
   added requests (their first token comes from the target). A decode step builds one frozen
   `StepBatch` (workers/step_batch.py) and hands it to every part:
-  (1) the decision maker picks steps `s` per row; (2) drafting (workers/drafting.py): the
-  drafter denoises `[anchor, MASK x K]` for rows with s > 0, all rows batched, s_max passes, and
-  suffix rows take their suffix drafts; (3) draft length `k` and acceptance rule per row, the
-  batch's `StepPlan` with its ragged layout; (4) one target forward over `[anchor, x_1..x_k]` per
-  row (padded to max k + 1; on CPU packed to each row's own positions) and verification
-  (workers/verification.py); (5) the one host read, then commit and traces (workers/commit.py):
-  lengths += accepted + 1 (rollback is just not advancing), the target hidden states of the new
-  positions are stashed for the drafter context.
+  (1) the decision maker's intent (`before_draft`: a draft source and diffusion steps `s` per
+  row), the requests' pins applied; (2) drafting (workers/drafting.py `draft_step`): each source
+  proposes for its rows (workers/draft_sources.py): the drafter denoises `[anchor, MASK x span]`
+  for diffusion rows, all batched, s_max passes, and suffix rows take their suffix drafts;
+  (3) draft length `k` and acceptance rule per row (`after_draft`), the batch's `StepPlan` with
+  its ragged layout; (4) one target forward over `[anchor, x_1..x_k]` per row (padded to max
+  k + 1; on CPU packed to each row's own positions) and verification (workers/verification.py);
+  (5) the one host read, then commit and traces (workers/commit.py): lengths += accepted + 1
+  (rollback is just not advancing), the target hidden states of the new positions are stashed
+  for the drafter context; the decision maker's `observe` and the engine's `observers` get the
+  step's `StepRecord` (workers/step_record.py).
 
 This module keeps the engine's requests, slots and the order of a step; the parts named above
 own their own state (drafter context cache, acceptance counters).
@@ -46,10 +49,11 @@ from workers.admission import ADMISSION_MODES, RowClock, Waiting, admit_count
 from workers.backends import resolve_backend
 from workers.commit import advance, emit, remaining, request_stats, trace_record
 from workers.compiled import CompiledTarget, compile_forward, mark_static, warm_up
-from workers.decisions import (SUFFIX, DecisionMaker, DraftFeatures, DraftIntent, RowState, StaticDecisions,
-                               StepOutcome)
+from workers import draft_sources
+from workers.decisions import DecisionMaker, DraftFeatures, DraftIntent, RowState, StaticDecisions, StepOutcome
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE
 from workers.decode_log import DecodeLog
-from workers.drafting import PENDING_WINDOW, DrafterContext, draft_step, suffix_drafts
+from workers.drafting import PENDING_WINDOW, DrafterContext, StepDrafts, draft_step
 from workers.linear import WIDE_ROWS, prepare_for_inference
 from workers.pins import StepPins, clamp_to_block, pin_clamp, row_pins
 from workers.request import DecodeKnobs, EngineInputError, PromptTooLongError, RequestOutput, SamplingParams
@@ -105,7 +109,7 @@ class EngineConfig:
     where drafting loses on a CPU, and measured 0.94–0.99x `ar` there against ~1.0x
     (docs/benchmarks.md); suffix:
     keep a suffix drafter (workers/suffix.py) so that rows may draft from text already seen
-    (knobs source 'suffix', or a decision maker's `SUFFIX`);
+    (knobs source 'suffix', or a decision maker's suffix intent);
     suffix_global_tokens: how many tokens of finished requests' outputs it remembers for other
     requests' drafts (0 = only a request's own text: no request's speed then depends on what
     another request generated); pack: "auto" | "on" | "off" or a bool: verification forwards run
@@ -399,11 +403,13 @@ class Engine:
     def _check_knobs(self, knobs: DecodeKnobs) -> None:
         if knobs.source == "none":
             return
-        if knobs.source == "suffix":
-            if self.suffix is None:
-                raise EngineInputError("source = 'suffix' needs the engine's suffix drafter (EngineConfig.suffix)")
-            if knobs.draft_len > self.width:
-                raise EngineInputError(f"draft_len = {knobs.draft_len} exceeds the longest suffix draft {self.width}")
+        source = draft_sources.by_name(knobs.source)
+        if source.point_mass:  # a copy-like source (workers/draft_sources.py)
+            width = source.width(self)
+            if width == 0:
+                raise EngineInputError(f"source = {knobs.source!r} needs {source.needs}")
+            if knobs.draft_len > width:
+                raise EngineInputError(f"draft_len = {knobs.draft_len} exceeds the longest {knobs.source} draft {width}")
             return
         if knobs.draft_len > 0 and knobs.steps > 0:
             if self.drafter is None:
@@ -515,19 +521,22 @@ class Engine:
         return admit_count(waiting, rows, free, mode=self.admission, ms_per_token=self.prefill_ms_per_token,
                            max_wait_ms=self.config.admission_max_wait_ms, packed=self.pack)
 
-    def _batch(self, rows: RowState, intent: DraftIntent, steps: torch.Tensor, steps_host: list[int],
-               pins: StepPins | None) -> StepBatch:
-        """The step's `StepBatch` (before its plan), for steps `s` [B] (host) as the decision
-        maker's `intent` asked and the rows' pins (None: no row pins anything) set them."""
+    def _batch(self, rows: RowState, intent: DraftIntent, source: torch.Tensor, source_host: list[int],
+               steps: torch.Tensor, steps_host: list[int], pins: StepPins | None) -> StepBatch:
+        """The step's `StepBatch` (before its plan), for each row's source code and diffusion
+        steps [B] (host tensors and lists) as the decision maker's `intent` asked and the rows'
+        pins (None: no row pins anything) set them."""
         dev, run = self.device, self.running
         temp, top_k, top_p = sampling_tensors(run, dev)
         l2r = torch.tensor([r.knobs.commit_order == "left-to-right" for r in run])
-        conditional = ((steps <= 1) | l2r) & (steps >= 0)  # suffix drafts are point masses: MATCH
+        point_mass = draft_sources.point_mass(source_host)
+        conditional = ((steps <= 1) | l2r) & ~point_mass  # point-mass drafts: MATCH
         lengths = [r.length for r in run]
         return StepBatch(
             requests=tuple(run), rows=rows, lengths=torch.tensor(lengths, device=dev), lengths_host=lengths,
             anchors=torch.tensor([r.output[-1] for r in run], device=dev), temperature=temp, top_k=top_k, top_p=top_p,
-            steps=steps, steps_host=steps_host, left_to_right=l2r.to(dev),
+            source=source, source_host=source_host, steps=steps, steps_host=steps_host, point_mass=point_mass,
+            left_to_right=l2r.to(dev),
             conditional=conditional, exact_rule=exact_rules(rows.temperature, conditional),
             lossless=torch.tensor([r.knobs.lossless for r in run]), span=self._span(intent, steps, steps_host, pins))
 
@@ -544,29 +553,26 @@ class Engine:
             span = max(span, pins.span(steps))
         return max(1, min(K, span))
 
-    def _plan(self, batch: StepBatch, intent: DraftIntent, feats: DraftFeatures, pins: StepPins | None) -> StepPlan:
+    def _plan(self, batch: StepBatch, intent: DraftIntent, feats: DraftFeatures, drafts: StepDrafts,
+              pins: StepPins | None) -> StepPlan:
         """Draft lengths and rules per row: the decision maker's (`after_draft`, told the applied
         `intent`), with the rows' pins applied
         (`StepPins.apply_verify`), capped by the draft each row has and its remaining tokens, with the rules each row really verifies with
-        (`kernels.rules.enforce_rules`: GREEDY at T = 0, exact rules for lossless rows and suffix
-        drafts, MATCH where q are not conditionals). The draft lengths size the target forward,
+        (`kernels.rules.enforce_rules`: GREEDY at T = 0, exact rules for lossless rows and
+        point-mass drafts, MATCH where q are not conditionals). The draft lengths size the target forward,
         so the host reads them: computed on the host when the decision maker answers with host
         tensors (as `StaticDecisions` and the policies do), on the device otherwise (one sync)."""
-        rows, K = batch.rows, self.width
+        rows = batch.rows
         dec = self.decisions.after_draft(rows, intent, feats)
         on_host = all(t.device.type == "cpu" for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         at = torch.device("cpu") if on_host else self.device
         k, rule, param, param2 = (t.to(at) for t in (dec.draft_len, dec.rule, dec.param, dec.param2))
         if pins is not None:
             k, rule, param, param2 = pins.apply_verify(k, rule, param, param2, batch.exact_rule)
-        steps = batch.steps.to(at)
-        longest = torch.where(steps > 0, batch.span or K, 0)  # diffusion rows drafted `span` tokens
-        if rows.suffix_len is not None:
-            longest = torch.where(steps == SUFFIX, rows.suffix_len.to(at), longest)
-        k = torch.minimum(k.clamp(min=0), longest)
+        k = torch.minimum(k.clamp(min=0), drafts.lengths.to(at))  # the tokens each row's source drafted
         k = torch.minimum(k, rows.remaining.to(at) - 1)
         rule, param, param2 = enforce_rules(rule, param, param2, rows.temperature.to(at),
-                                            batch.lossless.to(at), batch.conditional.to(at), steps == SUFFIX,
+                                            batch.lossless.to(at), batch.conditional.to(at), batch.point_mass.to(at),
                                             batch.exact_rule.to(at))
         # one host read (`torch.stack` promotes to float32: counts, rule ids and float32 params exact)
         k_host, rule_host, p1_host, p2_host = torch.stack([k, rule, param, param2]).tolist()
@@ -585,23 +591,24 @@ class Engine:
         rows = self._row_state()
         # (1) the decision maker's intent, with the rows' pins applied
         intent = self.decisions.before_draft(rows)
-        steps, pins = self._applied_steps(rows, intent)  # host [B]
-        s_host = steps.tolist()
+        source, steps, pins = self._applied(rows, intent)  # host [B]
+        source_host, steps_host = torch.stack([source, steps]).tolist()  # host tensors: no device sync
         t_decide = self._tick()
-        if not any(s_host):  # no row drafts this step
+        if not any(source_host):  # no row drafts this step (NONE_CODE is 0)
             return self._decode_plain(rows, pins, t0, t_decide)
-        batch = self._batch(rows, intent, steps, s_host, pins)
-        applied = DraftIntent.of_steps(steps, batch.span)  # what drafting does
+        batch = self._batch(rows, intent, source, source_host, steps, steps_host, pins)
+        applied = DraftIntent(source, steps, batch.span)  # what drafting does
 
-        # (2) draft: suffix rows take their suffix drafts, rows with s > 0 are denoised together
-        # over the first `span` positions of the block (the most any of them may verify)
-        drafts = draft_step(batch, self.drafting, K, self._reads_features())
+        # (2) draft: each source proposes for its rows (workers/draft_sources.py): suffix rows take
+        # their suffix drafts, diffusion rows are denoised together over the first `span`
+        # positions of the block (the most any of them may verify)
+        drafts = draft_step(self, batch, self._reads_features())
         t_draft = self._tick()
 
         # (3) draft length and rule per row; lossless rows get exact rules only
         feats = DraftFeatures(batch.steps, drafts.confidence, drafts.entropy, drafts.margin, batch.exact_rule,
-                              batch.conditional)
-        batch = batch.planned(self._plan(batch, applied, feats, pins))
+                              batch.conditional, batch.source)
+        batch = batch.planned(self._plan(batch, applied, feats, drafts, pins))
         t_choose = self._tick()
 
         # (4) one target forward over [anchor, x_1..x_k] per row, verify the ragged batch
@@ -628,19 +635,23 @@ class Engine:
         result = StepResult.unpack(host, Tq, Kc, 3 * K if tracing else 0)
         return self._conclude(batch, applied, pins, result, (t0, t_decide, t_draft, t_choose, t_forward, now))
 
-    def _applied_steps(self, rows: RowState, intent: DraftIntent) -> tuple[torch.Tensor, StepPins | None]:
-        """Each row's steps s [B] (host; the engine's internal code: > 0 diffusion passes, 0 no
-        draft, `SUFFIX`) as `intent` asks, overridden by the rows' pins (workers/pins.py: the knobs
-        requests pinned win), with suffix rows that have no suffix draft set to 0; and the step's
-        pins (None: no row pins anything)."""
-        steps = intent.as_steps().cpu().clamp(SUFFIX, self.block)
+    def _applied(self, rows: RowState, intent: DraftIntent) -> tuple[torch.Tensor, torch.Tensor, StepPins | None]:
+        """Each row's source code and diffusion steps [B] (host) as `intent` asks (steps in [1, K]
+        on diffusion rows, 0 elsewhere), overridden by the rows' pins (workers/pins.py: the knobs
+        requests pinned win), with rows whose source has no draft for them this step (an empty
+        suffix draft) set to no draft; and the step's pins (None: no row pins anything)."""
+        source = intent.source.to(torch.int64).cpu()
+        steps = torch.where(source == DIFFUSION_CODE, intent.steps.to(torch.int64).cpu().clamp(0, self.block), 0)
+        source = torch.where((source == DIFFUSION_CODE) & (steps == 0), NONE_CODE, source)
         pins = StepPins.of([r.pins for r in self.running])
         if pins is not None:
-            steps, pins = pins.apply_steps(steps, rows.remaining)
-            steps = steps.clamp(SUFFIX, self.block)
-        if rows.suffix_len is None:  # no suffix drafts this step
-            return steps.clamp(min=0), pins
-        return torch.where((steps == SUFFIX) & (rows.suffix_len == 0), 0, steps), pins
+            source, steps, pins = pins.apply(source, steps, rows.remaining)
+            steps = steps.clamp(max=self.block)
+        for code in draft_sources.codes():  # a source without a draft for a row leaves it none
+            if code != NONE_CODE:
+                ready = draft_sources.by_code(code).ready(self, rows)  # [B] bool
+                source = torch.where((source == code) & ~ready, NONE_CODE, source)
+        return source, torch.where(source == DIFFUSION_CODE, steps, 0), pins
 
     def _tick(self) -> float:
         """The engine's clock at a phase boundary of a decode step (`StepRecord.times`), the
@@ -708,7 +719,7 @@ class Engine:
         its decide, draft, choose, forward and accept phases), finished slots are freed."""
         plan, K, B = batch.plan, self.width, batch.size
         t0, t_decide, t_draft, t_choose, t_forward, t_accept = times
-        drafted = any(batch.steps_host)  # some row drafted (host ints: no tensor read)
+        drafted = any(batch.source_host)  # some row drafted (host ints: no tensor read)
         trace_times = (t0, t_draft if drafted else t0, t_accept)  # a step without drafts drafted for 0 ms
         # positions in the target forward: each row's own (packed) or rows padded to the longest
         positions = B + sum(plan.draft_len_host) if self.pack else B * (plan.max_k + 1)
@@ -716,13 +727,13 @@ class Engine:
         outputs, done, records = [], [], []
         for i, req in enumerate(batch.requests):
             ai, tvd_i, new = result.accepted[i], result.tvd[i], result.tokens[i]
-            kk, s_i, rule_i = plan.draft_len_host[i], batch.steps_host[i], plan.rule_host[i]
+            kk, src_i, s_i, rule_i = plan.draft_len_host[i], batch.source_host[i], batch.steps_host[i], plan.rule_host[i]
             # tokens left as the step began: the row's output grows only in `emit`, below
             clamp = pin_clamp(req.pins, s_i, kk, remaining(req, self.max_len)) if req.pins.any else None
-            advance(req, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i],
+            advance(req, src_i, s_i, kk, rule_i, ai, tvd_i, None if result.accept_per_position is None else result.accept_per_position[i],
                     clamp)
             if tracing:
-                records.append(trace_record(req, self.step_count, result.features[i], K, s_i, kk, rule_i,
+                records.append(trace_record(req, self.step_count, result.features[i], K, src_i, s_i, kk, rule_i,
                                             plan.param_host[i], plan.param2_host[i], ai, tvd_i, trace_times, B, positions))
             reason = emit(req, new, t_accept, self.max_len)
             outputs.append(RequestOutput(req.request_id, new, reason is not None, reason, request_stats(req)))
@@ -751,23 +762,22 @@ class Engine:
         trace sink, or a decision maker that declares ``reads_draft_features``."""
         return self.trace_sink is not None or self.decisions.reads_draft_features
 
-    def _wants_suffix(self) -> bool:
-        """Whether this step computes suffix drafts: the engine has a suffix drafter, and the
-        decision maker reads them (``reads_suffix``) or a running row's knobs ask for them."""
-        if self.suffix is None:
-            return False
-        return self.decisions.reads_suffix or any(r.knobs.source == "suffix" for r in self.running)
+    def _source_facts(self) -> dict:
+        """The `RowState` fields draft sources add before the decision (workers/draft_sources.py
+        `facts`): those of the sources the decision maker reads (``reads_suffix``: the suffix
+        drafts) or a running row's knobs name, where this engine can draft from them. A source
+        whose facts are not computed has no draft for any row this step (`ready`)."""
+        wanted = {r.knobs.source for r in self.running} | ({"suffix"} if self.decisions.reads_suffix else set())
+        facts = {}
+        for name in sorted(wanted):
+            source = draft_sources.by_name(name)
+            if source.width(self) > 0:
+                facts.update(source.facts(self, self.running))
+        return facts
 
     def _row_state(self) -> RowState:
         run = self.running
-        suffix = {}
-        if self._wants_suffix():  # else no row may take a suffix draft this step (steps clamp to >= 0)
-            for r in run:
-                r.suffix_draft = self.suffix.propose(r.suffix_index)
-            _, vote = suffix_drafts(run, [SUFFIX] * len(run), self.width)            # [B, K] vote shares
-            suffix = dict(suffix_len=torch.tensor([len(r.suffix_draft.tokens) for r in run]),
-                          suffix_score=torch.tensor([r.suffix_draft.score for r in run]),
-                          suffix_match=torch.tensor([r.suffix_draft.match_len for r in run]), suffix_vote=vote)
+        facts = self._source_facts()
         now = self.clock()
         return RowState(
             request_ids=[r.request_id for r in run], knobs=[r.knobs for r in run], targets=[r.targets for r in run],
@@ -777,7 +787,7 @@ class Engine:
             remaining=torch.tensor([remaining(r, self.max_len) for r in run]), batch_size=len(run), block_size=self.width,
             has_drafter=self.drafter is not None, packed_verify=self.pack, closed=self.closed and not self.waiting,
             fixed_span=not self.backend.partial_span,
-            decode_ms=torch.tensor([1e3 * (now - r.t_first) for r in run], dtype=torch.float32), **suffix)
+            decode_ms=torch.tensor([1e3 * (now - r.t_first) for r in run], dtype=torch.float32), **facts)
 
     def _release(self, idx: list[int]) -> None:
         """Free the slots `idx` of the running list, moving the last slots into the holes."""

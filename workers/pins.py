@@ -7,8 +7,9 @@ verifying, so that every policy keeps them the same way, per row, per step:
 
 - ``draft_len: 0`` or ``source: "none"``: the row drafts nothing; no drafted token of any
   source is verified for it;
-- ``source: "suffix"``: the row takes its suffix draft; ``steps: s`` (s > 0): it drafts by
-  diffusion in s passes; ``steps: 0`` (without ``source: "suffix"``): it drafts nothing;
+- ``source: "suffix"`` (or any source but diffusion and none, workers/draft_sources.py): the
+  row takes that source's draft; ``steps: s`` (s > 0): it drafts by diffusion in s passes;
+  ``steps: 0`` (without such a source): it drafts nothing;
   ``source: "diffusion"``: it drafts by diffusion, in the decision maker's s (or the knobs'
   when the decision maker chose not to draft it by diffusion);
 - ``draft_len: k`` (k > 0): the row verifies k drafted tokens (and drafts, from the decision
@@ -33,26 +34,29 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.decisions import SUFFIX
+from workers import draft_sources
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE
 from workers.request import PIN_FIELDS
 
-FREE = -9        # RowPins.steps: the decision maker chooses the row's draft source and steps
-DIFFUSION = -2   # RowPins.steps: diffusion drafts, in the decision maker's steps
-DRAFT = -3       # RowPins.steps: some draft (draft_len pinned > 0), the decision maker's source
+FREE = -9        # RowPins.source: the decision maker chooses the row's draft source and steps
+DRAFT = -3       # RowPins.source: some draft (draft_len pinned > 0), the decision maker's source
 
 
 @dataclass(frozen=True)
 class RowPins:
-    """One request's pins as the engine applies them. steps: the row's s when fixed (> 0
-    diffusion passes, 0 no draft, `SUFFIX`), or `FREE` / `DIFFUSION` / `DRAFT` (see the module
-    docstring); draft_len: the pinned k, -1 when free; fallback_steps: the s a row takes when a
-    pin makes it draft where its decision maker did not (the knobs' own: `SUFFIX` for source
-    'suffix', else `knobs.steps`, at least 1); knob_draft_len: the k such a row verifies (the
-    knobs' draft length); shown: the pins as applied, for the request's stats; block_clamps: how
-    many pinned values were clamped to the block."""
+    """One request's pins as the engine applies them. source: the row's draft source code when
+    fixed (workers/draft_sources.py), or `FREE` / `DRAFT` (see the module docstring); steps: the
+    pinned diffusion passes of a diffusion row (0: the decision maker's); draft_len: the pinned
+    k, -1 when free; fallback_source / fallback_steps: the source (and passes) a row takes when a
+    pin makes it draft where its decision maker did not (the knobs' own source, diffusion in
+    `knobs.steps` passes, at least 1, unless the knobs name another source); knob_draft_len: the
+    k such a row verifies (the knobs' draft length); shown: the pins as applied, for the
+    request's stats; block_clamps: how many pinned values were clamped to the block."""
 
-    steps: int = FREE
+    source: int = FREE
+    steps: int = 0
     draft_len: int = -1
+    fallback_source: int = DIFFUSION_CODE
     fallback_steps: int = 1
     knob_draft_len: int = 0
     shown: tuple = ()
@@ -60,7 +64,7 @@ class RowPins:
 
     @property
     def any(self) -> bool:
-        return self.steps != FREE
+        return self.source != FREE
 
 
 NO_PINS = RowPins()
@@ -69,11 +73,11 @@ NO_PINS = RowPins()
 def clamp_to_block(knobs, block: int, width: int):
     """(knobs, clamped): pinned ``steps`` above the drafter's block `block` and a pinned
     ``draft_len`` above the widest draft of its source (`block` for diffusion, `width` for
-    suffix drafts) set to that bound; ``clamped`` counts them."""
+    other sources) set to that bound; ``clamped`` counts them."""
     change = {}
     if "steps" in knobs.pinned and 0 < block < knobs.steps:
         change["steps"] = block
-    cap = width if knobs.source == "suffix" else (block or width)
+    cap = (block or width) if knobs.source in ("diffusion", "none") else width
     if "draft_len" in knobs.pinned and knobs.draft_len > cap:
         change["draft_len"] = cap
     return (dataclasses.replace(knobs, **change) if change else knobs), len(change)
@@ -84,31 +88,37 @@ def row_pins(knobs, block_clamps: int = 0) -> RowPins:
     p = knobs.pinned
     shown = tuple((name, getattr(knobs, name)) for name in PIN_FIELDS if name in p)
     k = knobs.draft_len if "draft_len" in p else -1
+    steps = 0
     if k == 0 or ("source" in p and knobs.source == "none"):
-        steps, k = 0, 0
-    elif "source" in p and knobs.source == "suffix":
-        steps = SUFFIX
+        source, k = NONE_CODE, 0
+    elif "source" in p and knobs.source != "diffusion":  # a copy-like source
+        source = draft_sources.by_name(knobs.source).code
     elif "steps" in p:
-        steps = knobs.steps
-        k = 0 if steps == 0 else k
+        source, steps = (DIFFUSION_CODE, knobs.steps) if knobs.steps > 0 else (NONE_CODE, 0)
+        k = 0 if source == NONE_CODE else k
     elif "source" in p:
-        steps = DIFFUSION
+        source = DIFFUSION_CODE  # in the decision maker's steps
     elif k > 0:
-        steps = DRAFT
+        source = DRAFT
     else:
-        steps = FREE
-    fallback = SUFFIX if knobs.source == "suffix" else max(knobs.steps, 1)
-    return RowPins(steps, k, fallback, knobs.draft_len, shown, block_clamps)
+        source = FREE
+    if knobs.source in ("diffusion", "none"):
+        fallback = (DIFFUSION_CODE, max(knobs.steps, 1))
+    else:
+        fallback = (draft_sources.by_name(knobs.source).code, 0)
+    return RowPins(source, steps, k, *fallback, knobs.draft_len, shown, block_clamps)
 
 
 @dataclass(frozen=True)
 class StepPins:
     """The running rows' pins in one step (host tensors [B]) and what they did to the decision
-    maker's steps: ``forced`` rows draft where (or how) the decision maker did not choose."""
+    maker's intent: ``forced`` rows draft where (or how) the decision maker did not choose."""
 
-    steps: torch.Tensor           # [B] int64 RowPins.steps
+    source: torch.Tensor          # [B] int64 RowPins.source
+    steps: torch.Tensor           # [B] int64 pinned diffusion passes, 0 free
     draft_len: torch.Tensor       # [B] int64 pinned k, -1 free
     knob_draft_len: torch.Tensor  # [B] int64
+    fallback_source: torch.Tensor  # [B] int64
     fallback_steps: torch.Tensor  # [B] int64
     forced: torch.Tensor          # [B] bool
 
@@ -117,27 +127,37 @@ class StepPins:
         """The step's pins, or None when no running row pins anything (nothing to apply)."""
         if not any(p.any for p in pins):
             return None
-        t = torch.tensor([[p.steps, p.draft_len, p.knob_draft_len, p.fallback_steps] for p in pins],
-                         dtype=torch.int64)  # [B, 4]
-        return cls(t[:, 0], t[:, 1], t[:, 2], t[:, 3], torch.zeros(len(pins), dtype=torch.bool))
-
-    def apply_steps(self, chosen: torch.Tensor, remaining: torch.Tensor) -> "tuple[torch.Tensor, StepPins]":
-        """The steps s [B] (host) each row drafts with: the decision maker's `chosen`, overridden
-        by the pins; `remaining` [B]: tokens each row may still emit (a pinned row with one left
-        drafts nothing). Returns them with these pins, their ``forced`` rows marked."""
-        code, fallback = self.steps, self.fallback_steps
-        s = torch.where(code >= SUFFIX, code, chosen)                                  # fixed: 0, SUFFIX, s > 0
-        s = torch.where((code == DIFFUSION) & (s <= 0), fallback.clamp(min=1), s)
-        s = torch.where((code == DRAFT) & (s == 0), fallback, s)
-        pinned = code != FREE
-        s = torch.where(pinned & (remaining <= 1), 0, s)
-        forced = pinned & (s != chosen) & (s != 0)
-        return s, dataclasses.replace(self, forced=forced)
+        t = torch.tensor([[p.source, p.steps, p.draft_len, p.knob_draft_len, p.fallback_source, p.fallback_steps]
+                          for p in pins], dtype=torch.int64)  # [B, 6]
+        return cls(*t.unbind(1), torch.zeros(len(pins), dtype=torch.bool))
 
     @property
     def pinned(self) -> torch.Tensor:
         """[B] bool (host): rows whose request pinned some knob (`StepRecord.pinned`)."""
-        return self.steps != FREE
+        return self.source != FREE
+
+    def apply(self, source: torch.Tensor, steps: torch.Tensor, remaining: torch.Tensor
+              ) -> "tuple[torch.Tensor, torch.Tensor, StepPins]":
+        """The source codes and diffusion steps [B] (host) each row drafts with: the decision
+        maker's (``source``, ``steps``: 0 on rows not drafting by diffusion), overridden by the
+        pins; `remaining` [B]: tokens each row may still emit (a pinned row with one left drafts
+        nothing). Returns them with these pins, their ``forced`` rows marked."""
+        code, fb_src = self.source, self.fallback_source
+        fb_steps = torch.where(fb_src == DIFFUSION_CODE, self.fallback_steps, 0)
+        fixed = code >= 0
+        src = torch.where(fixed, code, source)
+        st = torch.where(fixed, self.steps, steps)
+        # diffusion pinned without its steps: the decision maker's passes where it drafts by diffusion
+        own = (code == DIFFUSION_CODE) & (self.steps == 0)
+        st = torch.where(own, torch.where(source == DIFFUSION_CODE, steps, self.fallback_steps.clamp(min=1)), st)
+        # some draft pinned: the decision maker's source where it drafts, else the knobs' own
+        fallback = (code == DRAFT) & (source == NONE_CODE)
+        src, st = torch.where(fallback, fb_src, src), torch.where(fallback, fb_steps, st)
+        pinned = code != FREE
+        src = torch.where(pinned & (remaining <= 1), NONE_CODE, src)
+        st = torch.where(src == DIFFUSION_CODE, st, 0)
+        forced = pinned & ((src != source) | (st != steps)) & (src != NONE_CODE)
+        return src, st, dataclasses.replace(self, forced=forced)
 
     def span(self, steps: torch.Tensor) -> int:
         """The most drafted tokens a pinned diffusion row (s > 0) verifies this step (0: none)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers import draft_sources
+
 COMPILE_CHOICES = ("auto", "on", "off", "aot")  # EngineConfig.compile and the CLIs' --compile (workers/backends.py)
 
 
@@ -62,8 +64,6 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
-DRAFT_SOURCES = ("diffusion", "suffix")
-KNOB_SOURCES = (*DRAFT_SOURCES, "none")  # "none": the request drafts nothing (as draft_len 0)
 PIN_FIELDS = ("steps", "draft_len", "source", "commit_order")  # the knobs a request may pin
 
 
@@ -75,7 +75,8 @@ class DecodeKnobs:
     commit_order: which masked positions each denoising step commits ('confidence' = most
     confident first, 'left-to-right'); source: where drafts come from, 'diffusion' (the drafter,
     `steps` denoising passes), 'suffix' (copied from earlier text, workers/suffix.py; `steps`
-    unused, `draft_len` caps the draft, verified with exact rules only) or 'none' (no drafts).
+    unused, `draft_len` caps the draft, verified with exact rules only), 'none' (no drafts), or
+    any other registered source (workers/draft_sources.py).
     pinned: the names (of `PIN_FIELDS`) the caller fixed: the engine holds every step of the
     request to them whatever its decision maker answers (workers/pins.py); the others are the
     decision maker's. `DecodeKnobs.pin(...)` pins exactly the knobs it is given. The default
@@ -98,7 +99,8 @@ class DecodeKnobs:
         pinned = frozenset(self.pinned)
         _check(pinned <= set(PIN_FIELDS), f"pinned must name knobs of {PIN_FIELDS}, got {sorted(pinned)}")
         object.__setattr__(self, "pinned", pinned)
-        _check(self.source in KNOB_SOURCES, f"source must be one of {KNOB_SOURCES}, got {self.source!r}")
+        sources = draft_sources.names()
+        _check(self.source in sources, f"source must be one of {sources}, got {self.source!r}")
         _check(isinstance(self.steps, int) and 0 <= self.steps <= 64, f"steps must be an integer in [0, 64], got {self.steps!r}")
         _check(isinstance(self.draft_len, int) and 0 <= self.draft_len <= 64,
                f"draft_len must be an integer in [0, 64], got {self.draft_len!r}")

@@ -57,7 +57,7 @@ class RequestState:
     t_start: float = 0.0
     t_first: float = 0.0       # when its first token (the prefill's) was emitted
     t_last: float = 0.0
-    last_knobs: tuple = (0, 0, int(Rule.GREEDY))  # steps, draft_len, rule of the latest step
+    last_knobs: tuple = (0, 0, 0, int(Rule.GREEDY))  # source code, steps, draft_len, rule of the latest step
     apos: list[float] = field(default_factory=list)  # accept_per_position
     ema_before: float = RECENT_NONE  # recent_accept before the latest step (traces)
     suffix_index: object = None  # workers.suffix.TokenIndex over prompt + output
@@ -116,8 +116,11 @@ class StepBatch:
     temperature: torch.Tensor           # [B] float32
     top_k: torch.Tensor | None          # [B] int64, None when no sampled row restricts to top-k
     top_p: torch.Tensor | None          # [B] float32, None when no sampled row uses top-p
-    steps: torch.Tensor                 # [B] int64 (host) s: > 0 diffusion passes, 0 no draft, SUFFIX
+    source: torch.Tensor                # [B] int64 (host) draft source code (workers/draft_sources.py)
+    source_host: list[int]
+    steps: torch.Tensor                 # [B] int64 (host) s: diffusion passes of diffusion rows, 0 elsewhere
     steps_host: list[int]
+    point_mass: torch.Tensor            # [B] bool (host): the row's draft is a point mass (exact rules only)
     left_to_right: torch.Tensor         # [B] bool commit order of the diffusion drafter
     conditional: torch.Tensor           # [B] bool (host): q are the proposal's true conditionals
     exact_rule: torch.Tensor            # [B] int32 (host) the row's exact rule (kernels.rules.exact_rules)
@@ -150,9 +153,11 @@ class StepBatch:
         lengths = [r.length for r in requests]
         no = torch.zeros(B, dtype=torch.bool)
         plan = StepPlan.no_drafts(requests)
+        zeros = torch.zeros(B, dtype=torch.int64)
         return cls(requests=tuple(requests), rows=rows, lengths=torch.tensor(lengths), lengths_host=lengths,
                    anchors=torch.tensor([r.output[-1] for r in requests]), temperature=rows.temperature, top_k=None,
-                   top_p=None, steps=torch.zeros(B, dtype=torch.int64), steps_host=[0] * B, left_to_right=no,
+                   top_p=None, source=zeros, source_host=[0] * B, steps=zeros, steps_host=[0] * B, point_mass=no,
+                   left_to_right=no,
                    conditional=~no, exact_rule=plan.rule, lossless=~no, plan=plan)
 
 

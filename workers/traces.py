@@ -15,6 +15,7 @@ from typing import Protocol
 TRACE_VERSION = 2  # 2: recent_accept is the per-position estimate (workers.decisions.next_recent_accept)
 # fields added within version 2 (readers default them): source ('none' | 'diffusion' | 'suffix'; steps is
 # -1 for suffix rows) and suffix_match (the suffix draft's match length)
+COPY_STEPS = -1  # a suffix row's `steps` in a trace record (the file format stored traces and their readers keep)
 TRACE_FIELDS = ("v", "request_id", "step", "time", "position", "generated", "temperature", "recent_accept",
                 "batch_size", "num_tokens", "steps", "draft_len", "rule", "source", "suffix_match", "param", "param2", "commit_order",
                 "confidence", "entropy", "margin", "accepted", "accept_flags", "tvd_spent",

@@ -9,7 +9,8 @@ takes a step's evidence, the other methods answer queries.
   plain step.
 
 Each is kept because an interleaved A/B measured it helping on some workload and load (the
-measurement is in its docstring).
+measurement is in its docstring). The acceptance corrections learn only from rows whose draft was
+the policy's choice: rows a request pinned are left out (`chosen_only`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ def verified_drafts(outcome) -> bool:
     engine's host answer where the outcome carries it (``any_verified``), else read from the tensor."""
     known = getattr(outcome, "any_verified", None)
     return bool((torch.as_tensor(outcome.verified) > 0).any()) if known is None else known
+
+
+def chosen_only(suffix_expect: torch.Tensor | None, diffusion_expect: tuple | None, pinned: torch.Tensor):
+    """A step's expectations ([B] suffix rows' predicted tokens; ([B] diffusion rows' predicted
+    extra tokens, [B] grid index)) with the rows in ``pinned`` [B] bool set to 0, so that
+    `SuffixAcceptance` and `DiffusionAcceptance` skip them: a pinned row's draft was its
+    request's choice, not the policy's, and its outcome says nothing of what the policy predicted."""
+    if not bool(pinned.any()):
+        return suffix_expect, diffusion_expect
+    if suffix_expect is not None and len(suffix_expect) == len(pinned):
+        suffix_expect = torch.where(pinned, 0.0, suffix_expect)
+    if diffusion_expect is not None and len(diffusion_expect[0]) == len(pinned):
+        diffusion_expect = (torch.where(pinned, 0.0, diffusion_expect[0]), diffusion_expect[1])
+    return suffix_expect, diffusion_expect
 
 
 class SuffixAcceptance:

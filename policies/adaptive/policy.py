@@ -18,10 +18,11 @@ import torch
 
 from policies.base import Policy, outcome_ms, rows_per_pass
 from workers.decisions import DraftIntent
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
 
 from . import objective
 from .cadence import Cadence
-from .calibration import DiffusionAcceptance, StepCosts, SuffixAcceptance
+from .calibration import DiffusionAcceptance, StepCosts, SuffixAcceptance, chosen_only
 from .plan import Plan, StepDecision, plan_steps, span_of
 from .settings import AdaptiveSettings, check_settings
 from .source import take_suffix
@@ -129,12 +130,12 @@ class AdaptivePolicy(Policy):
                              self.costs.plain_ms, saw_all)
         return intent
 
-    def _steps(self, rows, ctx):
+    def _choose(self, rows, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         B = len(rows.request_ids)
         K = int(getattr(rows, "block_size", 0) or self.block_size)
         self.step = StepDecision()
         if B == 0 or K == 0:
-            return torch.zeros(B, dtype=torch.int64)
+            return torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         if not getattr(rows, "has_drafter", True):  # suffix drafts only (an engine without a drafter)
             steps, extra, toks = torch.zeros(B, dtype=torch.int64), torch.zeros(B), torch.ones(B)
         elif len(self.steps_grid) == 1 and not self.allow_no_draft:
@@ -151,18 +152,21 @@ class AdaptivePolicy(Policy):
             steps, extra, toks = self._plan.steps, self._plan.extra, self._plan.toks
         plan = self._plan
         raw = plan if plan is not None and plan.raw_extra is not None and plan.key == tuple(rows.request_ids) else None
+        copy = torch.zeros(B, dtype=torch.bool)  # rows that take their suffix draft
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
-            steps, self.step = self._take_suffix(rows, ctx, steps, extra, toks)
+            copy, self.step = self._take_suffix(rows, ctx, steps, extra, toks)
+            steps = torch.where(copy.to(steps.device), 0, steps)
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
             stay = torch.where(steps.cpu() > 0, raw.raw_extra, torch.zeros_like(raw.raw_extra))
             self.step = replace(self.step, diffusion_expect=(stay, raw.level))
-        return steps
+        source = torch.where(copy.to(steps.device), SUFFIX_CODE, torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE))
+        return source, steps
 
     # the three decision phases, methods so that `adapt.bench.instruments.phase_times` times them apart
     def _plan_steps(self, rows, ctx, B: int, K: int) -> Plan:
         return plan_steps(self, rows, ctx, B, K)
 
-    def _take_suffix(self, rows, ctx, steps, extra, toks) -> tuple[torch.Tensor, StepDecision]:
+    def _take_suffix(self, rows, ctx, steps, extra, toks) -> tuple[torch.Tensor, StepDecision]:  # [B] bool, choice
         return take_suffix(self, rows, ctx, steps, extra, toks)
 
     def _span(self, rows, steps: list[int]) -> int:
@@ -234,8 +238,12 @@ class AdaptivePolicy(Policy):
         step = self.step  # its expectations are learned from once
         if step.suffix_expect is not None or step.diffusion_expect is not None or step.suffix_pred is not None:
             self.step = replace(step, suffix_expect=None, diffusion_expect=None, suffix_pred=None)
-        self.suffix.observe(step.suffix_expect, outcome.accepted)
-        self.diffusion.observe(len(self.steps_grid), step.diffusion_expect, outcome.accepted, rows.temperature)
+        # the acceptance corrections learn from the rows the policy chose for: a pinned row drafted
+        # (or not) as its request said, so its outcome says nothing of the choice (the step-cost
+        # corrections above learn the step as it ran, pins included: a step's time is not per row)
+        suffix_expect, diffusion_expect = chosen_only(step.suffix_expect, step.diffusion_expect, record.pinned)
+        self.suffix.observe(suffix_expect, outcome.accepted)
+        self.diffusion.observe(len(self.steps_grid), diffusion_expect, outcome.accepted, rows.temperature)
         if step.suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
             self.costs.observe_choice(step.suffix_pred, measured)
 

@@ -25,8 +25,8 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
                 shortcut: bool = True) -> tuple[torch.Tensor, StepDecision]:
     """Rows whose suffix draft beats their planned choice take it (see the module docstring).
     steps [B]: the plan; extra [B]: the expected extra tokens of each row's planned draft (0
-    for rows without one); toks [B]: the plan's verified positions per row. Returns the steps
-    (`SUFFIX` for rows that take their suffix draft) and the choice (``suffix_k`` [B],
+    for rows without one); toks [B]: the plan's verified positions per row. Returns which rows
+    take their suffix draft ([B] bool; the others keep their plan) and the choice (``suffix_k`` [B],
     ``suffix_expect`` [B], ``suffix_pred``). ``shortcut``: answer from the plan alone where no
     copy may win (`copy_may_win`; False only to test that it changes nothing).
 
@@ -42,8 +42,6 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
 
     With ``suffix_first`` every row that has a suffix draft takes the whole of it, whatever its
     plan (static suffix drafting's choice, kept where the suffix drafter has nothing)."""
-    from workers.decisions import SUFFIX  # the engine package is heavier: imported at first use
-
     B = len(rows.request_ids)
     n = rows.suffix_len.cpu()                                                      # [B]
     Ks = int(n.max())
@@ -54,7 +52,7 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
         take = n > 0
         choice = StepDecision(suffix_k=torch.where(take, n, 0).to(torch.int64),
                               suffix_expect=torch.where(take, by_table.sum(1), 0.0))  # [B] before recalibration
-        return torch.where(take, SUFFIX, steps), choice
+        return take, choice
     w = weights(p, ctx).cpu()                                                    # [B]
     slot = (by_table * p.suffix_accept_ratio).clamp(max=1.0)                       # recalibrated online
     win = torch.cat([torch.zeros(B, 1), slot.cumsum(1)], 1)                        # [B, Ks + 1] expected accepted
@@ -90,13 +88,13 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
     # calibrated costs, any margin only declines drafts that pay; measured 1.05x on
     # mixed at 1 request without it, against 0.99x with 5 %)
     if best == 0 or value[best] <= value[0] * (1.0 + p.suffix_margin):
-        return steps, StepDecision(suffix_k=torch.zeros(B, dtype=torch.int64),
-                                   suffix_pred=(float(raw[0]), False, float(fixed[0]), float(ms[0])))
+        return torch.zeros(B, dtype=torch.bool), StepDecision(suffix_k=torch.zeros(B, dtype=torch.int64),
+                                                              suffix_pred=(float(raw[0]), False, float(fixed[0]), float(ms[0])))
     suffix_k = torch.where(take[:, best], k[:, best], 0).to(torch.int64)
     table_win = torch.cat([torch.zeros(B, 1), by_table.cumsum(1)], 1).gather(1, suffix_k[:, None])[:, 0]
     choice = StepDecision(suffix_k=suffix_k, suffix_expect=torch.where(take[:, best], table_win, 0.0),  # before recalibration
                           suffix_pred=(float(raw[best]), bool(wide[best]), float(fixed[best]), float(ms[best])))
-    return torch.where(take[:, best], SUFFIX, steps), choice
+    return take[:, best], choice
 
 
 def copy_may_win(w: torch.Tensor, win: torch.Tensor, extra: torch.Tensor) -> bool:
@@ -124,14 +122,15 @@ def candidate_ms(p, steps, diffusing, toks, k, take, stay, packed: bool) -> tupl
 
 
 def keep_plan(p, steps: torch.Tensor, toks: torch.Tensor, packed: bool) -> tuple[torch.Tensor, StepDecision]:
-    """`take_suffix`'s answer where no row takes its suffix draft: the plan ``steps`` [B],
-    with the plan's predicted step (its candidate column 0) kept for the cost correction."""
+    """`take_suffix`'s answer where no row takes its suffix draft (every row keeps its plan
+    ``steps`` [B]), with the plan's predicted step (its candidate column 0) kept for the cost correction."""
     B = steps.shape[0]
     none = torch.zeros(B, 1, dtype=torch.int64)                                    # [B, 1] no suffix draft
     diffusing = steps > 0                                                          # [B]
     _, raw = candidate_ms(p, steps, diffusing, toks, none, none.bool(), diffusing[:, None], packed)  # [1]
     ms = raw * p.costs.suffix_cost_ratio["plan"]
-    return steps, StepDecision(suffix_k=torch.zeros(B, dtype=torch.int64), suffix_pred=(float(raw[0]), False, 0.0, float(ms[0])))
+    return torch.zeros(B, dtype=torch.bool), StepDecision(suffix_k=torch.zeros(B, dtype=torch.int64),
+                                                          suffix_pred=(float(raw[0]), False, 0.0, float(ms[0])))
 
 
 def suffix_candidates(n: torch.Tensor, marginal: torch.Tensor, packed: bool) -> torch.Tensor:

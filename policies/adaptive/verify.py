@@ -83,10 +83,12 @@ def verify_drafts(p, rows, draft, ctx, step: StepDecision):
 
 def with_suffix(decision, rows, draft, suffix_k: torch.Tensor | None):
     """The verify decision with suffix rows' draft lengths ``suffix_k`` [B] (chosen in `source.take_suffix`) and exact rules."""
-    from workers.decisions import SUFFIX
+    from workers.draft_sources import SUFFIX_CODE
 
-    suffix = draft.steps == SUFFIX
-    if suffix_k is None or not bool(suffix.any()):
+    if suffix_k is None or draft.source is None:
+        return decision
+    suffix = draft.source == SUFFIX_CODE
+    if not bool(suffix.any()):
         return decision
     dev = decision.draft_len.device
     k = torch.where(suffix, suffix_k.to(dev), decision.draft_len)

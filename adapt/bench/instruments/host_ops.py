@@ -165,13 +165,14 @@ def main(argv=None) -> int:
     digest = hashlib.sha1()
     conclude = engine._conclude
 
-    def digested_conclude(batch, result, times):
+    def digested_conclude(batch, intent, pins, result, times):
         # what each step decided and what it produced: two versions of the code that decide
         # alike write the same digest
         plan = batch.plan
-        digest.update(repr((batch.steps_host, plan.draft_len_host if plan else None, plan.rule_host if plan else None,
-                            list(result.accepted), [list(t) for t in result.tokens])).encode())
-        return conclude(batch, result, times)
+        digest.update(repr((batch.source_host, batch.steps_host, plan.draft_len_host if plan else None,
+                            plan.rule_host if plan else None, list(result.accepted),
+                            [list(t) for t in result.tokens])).encode())
+        return conclude(batch, intent, pins, result, times)
 
     engine._conclude = digested_conclude
     prefill = engine._prefill
