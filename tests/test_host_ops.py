@@ -21,7 +21,7 @@ def test_host_ops_counts_each_phase_of_a_step_and_repeats_exactly(tmp_path):
     assert first["decode_steps"] > 4 and first["host_ops_per_step"] > 0
     phases = first["ops_per_step"]
     assert {"decide.before_draft", "decide.observe", "target_forward", "row_state"} <= set(phases)
-    assert "prefill" not in phases  # prefills are left out of the per-step counts
+    assert "prefill" not in phases and "instrument" not in phases  # left out of the per-step counts
     assert first["top_lines"] and all(" " in line for _, line in first["top_lines"])
     assert first["ops_per_step"] == second["ops_per_step"] and first["decode_steps"] == second["decode_steps"]
     # every step's decisions and results, digested: the same on both runs

@@ -16,3 +16,29 @@ def test_summary_splits_plain_and_drafting_steps_by_batch_size():
     assert lines[0].startswith("rows 1-7 drafting:") and "0.200 tokens/ms" in lines[0]
     assert lines[1].startswith("rows 28-999 plain") and "2 steps" in lines[1] and "0.356 tokens/ms" in lines[1]
     assert lines[2].startswith("rows 28-999 drafting") and "0.206 tokens/ms" in lines[2]
+
+
+def test_a_round_on_the_demo_pair_logs_the_adaptive_and_the_baseline_steps(tmp_path):
+    """The adaptive policy's decided steps (through a delegating wrapper) and the baseline's steps
+    (an engine observer) are logged, each with its outcome; a step the policy decided without
+    drafting rows verified no drafts."""
+    import json
+
+    out = tmp_path / "steps.json"
+    assert step_log.main(["--pair", "demo", "--compile", "off", "--load", "2", "--rounds", "1", "--requests", "4",
+                          "--baseline", "suffix", "--out", str(out)]) == 0
+    (rnd,) = json.loads(out.read_text())["rounds"]
+    steps, base = rnd["steps"], rnd["baseline_steps"]
+    assert steps and base
+    seen = [s for s in steps if "ms" in s]
+    assert len(seen) >= len(steps) - 1  # every decided step's outcome, but perhaps the run's last
+    for s in seen:
+        assert 1 <= s["B"] <= 2 and s["diffusion_rows"] + s["suffix_rows"] <= s["B"]
+        assert s["ms"] > 0 and s["positions"] >= s["B"] and s["predicted_ms"] > 0
+        assert s["verified"] >= s["accepted"] >= 0
+        if s["diffusion_rows"] + s["suffix_rows"] == 0:
+            assert s["verified"] == 0
+    for b in base:
+        assert 1 <= b["B"] <= 2 and b["ms"] > 0 and b["drafting_rows"] <= b["B"]
+    assert sum(b["drafting_rows"] for b in base) > 0  # static suffix drafting copied somewhere
+    assert rnd["adaptive"]["goodput_tok_s"] > 0 and rnd["suffix"]["goodput_tok_s"] > 0

@@ -38,7 +38,8 @@ processes on the machine falls on all rows alike. A row's tokens/s is the median
 tokens / seconds (time around decoding only). **τ** = tokens emitted per sequence per target
 forward pass (the prefill's token included), counted the same way for every row. After the timed
 rounds, one profiled run per adapt row and batch size times the phases of our decode step
-(`PhaseProbe`): draft, verify forward, acceptance, cache commit, decisions, bookkeeping.
+(`PhaseProbe`, an observer of the engine's steps): decide, draft, choose, forward, accept,
+conclude (`StepRecord.times`, workers/step_record.py).
 
 `--interleave`: our rows run side by side, one engine step each in turn, each with its own
 engine and a clock that runs only during its own steps (adapt/bench/interleave.py). This

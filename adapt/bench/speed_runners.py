@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from workers.step_record import PHASES
+
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
 # vLLM's n-gram (prompt lookup) speculation, as vLLM users configure it
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -69,148 +71,86 @@ def drive(sessions: dict) -> dict:
 
 # -- our engine ---------------------------------------------------------------------------------
 class PhaseProbe:
-    """Times the phases of `Engine` decode steps by wrapping the engine's parts (CPU ops are
-    synchronous, so wall time around a call is its cost; on CUDA each boundary synchronises).
+    """Times the phases of `Engine` decode steps as the engine reports them: an observer
+    (`Engine.observers`, workers/step_record.py) that sums each step's `StepRecord.times` by phase
+    and each prefill's seconds; nothing of the engine is wrapped. While attached (``with
+    PhaseProbe(engine):``) it sets `Engine.sync_phases` on CUDA, so that each phase is its device
+    time, not the host's time to queue its kernels (CPU work is synchronous anyway).
 
-    Phases per decode step: `draft` (the drafter's denoising passes), `verify_forward` (the target
-    forward over anchor + drafts, KV written in place), `acceptance` (verification: the all-greedy
-    fast path or `kernels.verify` on the ragged batch; in a step without drafts, sampling the next
-    tokens and the step's host read), `cache_commit` (drafter context K/V of the new positions), `decisions` (the
-    decision maker's calls), `bookkeeping` (everything else of the step: tensors built from
-    Python state, probabilities, noise, stop checks, the host sync, per-request stats).
+    Phases per decode step (`PHASES`, the engine's; workers/step_record.py defines them): `decide`
+    (the row state, suffix proposals where read, `before_draft`, the rows' pins), `draft` (the
+    drafter-context flush and denoising passes, suffix copies), `choose` (`after_draft` and the
+    step's plan), `forward` (the target forward over anchor + drafts, KV written in place, and the
+    stash of its hidden states for the drafter's context), `accept` (verification or, in a step
+    without drafts, sampling the next tokens, and the step's one host read), `conclude` (commit,
+    emitted tokens, stop checks, traces, `observe`). `draft` and `choose` run only on steps where
+    some row drafts.
 
-    The report also gives each phase's calls per decode step and milliseconds per call
-    (`per_call_ms`): a phase that runs on some steps only (the drafter's passes on drafting steps)
-    costs those steps its per-call time, which its per-step average hides. On an engine with the
-    drafter's compiled package, `per_call_ms["draft_package"]` is the package's own call, the part
-    of `draft` that is not sampling, features or the block's set-up."""
+    The report also gives each phase's share of decode steps that ran it (`calls_per_step`) and its
+    milliseconds per such step (`per_call_ms`): a phase that runs on some steps only costs those
+    steps its per-call time, which its per-step average hides. On an engine with the drafter's
+    compiled package, `calls_per_step["draft_package"]` counts the package's calls per decode step
+    (its own `calls` counter); the package's own time inside `draft` is not reported (only
+    wrapping the package could time it apart)."""
 
-    PHASES = ("draft", "verify_forward", "acceptance", "cache_commit", "decisions", "bookkeeping")
+    PHASES = PHASES
+    DRAFTING = ("draft", "choose")  # phases that run only on steps where some row drafts
 
     def __init__(self, engine):
         self.engine = engine
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
-        self.decode_s = 0.0
         self.decode_steps = 0
         self.prefill_s = 0.0
-        self._in_decode = False
-        self._undo: list = []
-        self.missing: list[str] = []
+        self._package_calls0: int | None = None
+        self._synced: bool | None = None  # `sync_phases` as it was before attaching (None: detached)
 
-    def _sync(self):
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
+    def on_step(self, record) -> None:
+        self.decode_steps += 1
+        drafted = record.plan is not None
+        for phase, seconds in record.times.items():
+            if drafted or phase not in self.DRAFTING:
+                self.totals[phase] = self.totals.get(phase, 0.0) + seconds
+                self.calls[phase] = self.calls.get(phase, 0) + 1
 
-    def _wrap(self, obj, name: str, phase: str | None):
-        original = getattr(obj, name, None)
-        if original is None:  # the engine changed shape: that phase folds into bookkeeping
-            self.missing.append(f"{type(obj).__name__}.{name}")
-            return
-        had_own = name in vars(obj)
-        setattr(obj, name, self._timed(original, phase))
-        self._undo.append((obj, name, original if had_own else None))
+    def on_prefill(self, seconds: float, rows: int) -> None:
+        self.prefill_s += seconds
 
-    def _timed(self, original, phase: str | None):
-        """``original`` timed into ``phase`` (its totals and calls) inside decode steps; phase None:
-        the decode step itself."""
-        probe = self
-
-        def timed(*args, **kwargs):
-            if phase is not None and not probe._in_decode:
-                return original(*args, **kwargs)
-            probe._sync()
-            t = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                probe._sync()
-                dt = time.perf_counter() - t
-                if phase is None:  # the step itself
-                    probe.decode_s += dt
-                    probe.decode_steps += 1
-                else:
-                    probe.totals[phase] = probe.totals.get(phase, 0.0) + dt
-                    probe.calls[phase] = probe.calls.get(phase, 0) + 1
-
-        return timed
+    def _package(self):
+        """The drafter's compiled package (its `calls` counter), or None."""
+        drafting = self.engine.drafting
+        program = getattr(drafting, "program", None) if drafting is not None else None
+        return program if isinstance(getattr(program, "calls", None), int) else None
 
     def __enter__(self):
         eng = self.engine
-        original_decode = eng._decode
-
-        def decode(*a, **kw):
-            self._in_decode = True
-            try:
-                return original_decode(*a, **kw)
-            finally:
-                self._in_decode = False
-
-        eng._decode = decode
-        self._undo.append((eng, "_decode", None))
-        self._wrap(eng, "_decode", None)
-        original_prefill = eng._prefill
-
-        def prefill(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return original_prefill(*a, **kw)
-            finally:
-                self.prefill_s += time.perf_counter() - t
-
-        eng._prefill = prefill
-        self._undo.append((eng, "_prefill", None))
-        self._wrap(eng, "target_forward", "verify_forward")
-        # acceptance: verifying drafts (the greedy fast path or `kernels.verify` on the ragged
-        # batch), or, in a step where no row verifies drafts, sampling each row's next token
-        for name in ("greedy", "ragged", "sample_next"):
-            self._wrap(eng.verifier, name, "acceptance")
-        for name in ("choose_steps", "choose_verify", "observe"):
-            self._wrap(eng.decisions, name, "decisions")
-        if eng.drafting is not None:  # the denoising passes; the lazy drafter-context commit: stash every step, flush to draft
-            self._wrap(eng.drafting, "draft", "draft")
-            self._wrap(eng.drafting, "stash", "cache_commit")
-            self._wrap(eng.drafting, "flush", "cache_commit")
-            if getattr(eng.drafting, "program", None) is not None:  # timed apart, inside `draft`
-                self._wrap_program(eng.drafting)
+        if self not in eng.observers:
+            eng.observers.append(self)
+            self._synced = eng.sync_phases
+            eng.sync_phases = eng.device.type == "cuda" or eng.sync_phases
+            package = self._package()
+            if package is not None:
+                self._package_calls0 = package.calls - self.calls.get("draft_package", 0)
         return self
 
-    def _wrap_program(self, drafting) -> None:
-        """Time the drafter package's calls (a sub-phase of `draft`, reported per call only)."""
-        program, call = drafting.program, self._timed(drafting.program, "draft_package")
-
-        class Timed:
-            def __getattr__(self, name):  # fits, calls, ...: the package's own
-                return getattr(program, name)
-
-            def __call__(self, *args, **kwargs):
-                return call(*args, **kwargs)
-
-        drafting.program = Timed()
-        self._undo.append((drafting, "program", program))
-
     def __exit__(self, *exc):
-        for obj, name, original in reversed(self._undo):
-            if isinstance(original, str):  # hook handles
-                for handle in obj:
-                    handle.remove()
-            elif original is None:
-                if name in vars(obj):
-                    delattr(obj, name)
-            else:
-                setattr(obj, name, original)
-        self._undo.clear()
+        eng = self.engine
+        if self in eng.observers:
+            eng.observers.remove(self)
+            eng.sync_phases = self._synced
+            package = self._package()
+            if package is not None and self._package_calls0 is not None:
+                self.calls["draft_package"] = package.calls - self._package_calls0
 
     def report(self) -> dict:
-        """Milliseconds per decode step, per phase (bookkeeping = the rest of the step)."""
+        """Milliseconds per decode step, per phase; the step's mean; per-call figures."""
         n = max(self.decode_steps, 1)
         ms = {k: 1e3 * self.totals[k] / n for k in self.PHASES}
-        ms["bookkeeping"] = max(0.0, 1e3 * self.decode_s / n - sum(v for k, v in ms.items() if k != "bookkeeping"))
-        per_call = {k: round(1e3 * self.totals[k] / c, 4) for k, c in self.calls.items() if c}
-        return {"decode_steps": self.decode_steps, "step_ms": 1e3 * self.decode_s / n,
+        per_call = {k: round(1e3 * self.totals[k] / c, 4) for k, c in self.calls.items() if c and k in self.totals}
+        return {"decode_steps": self.decode_steps, "step_ms": sum(ms.values()),
                 "phases_ms": {k: round(v, 4) for k, v in ms.items()}, "prefill_ms_total": 1e3 * self.prefill_s,
                 "calls_per_step": {k: round(c / n, 3) for k, c in self.calls.items() if c},
-                "per_call_ms": per_call, "unprobed": self.missing}
+                "per_call_ms": per_call}
 
 
 class AdaptRunner:

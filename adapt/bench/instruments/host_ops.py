@@ -8,7 +8,9 @@ of the mixed workload (the `adapt bench ab` scenario) with one policy, counts ev
 operation dispatched during its decode steps (a `TorchDispatchMode`; views and `.item()` count
 too) and attributes it to the phase of the step it ran in (the decision maker's calls, drafting,
 verification and its host read, the row state, the step batch, the rest of the step) and, with
-``--lines``, to the line of our code that called it. Printed and written to ``--out``: operations
+``--lines``, to the line of our code that called it. The phase is read off the Python stack at
+each operation (the innermost frame of one of the calls in `PHASES`); nothing of the engine or
+the policy is wrapped, and decode steps are counted by an observer (`Engine.observers`). Printed and written to ``--out``: operations
 per decode step by phase, and the top lines. Counting slows the run, so its timings are not
 reported; time a change with `adapt bench ab`. The engine reads a clock that advances
 ``--tick-ms`` per reading instead of the wall clock, and the policy prices steps by its policy
@@ -30,12 +32,15 @@ import argparse
 import collections
 import functools
 import hashlib
+import inspect
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 # (attribute path on the engine, method, phase): the calls whose operations each phase counts
+# (an operation counts in the phase of the innermost of these calls on its stack; the target's
+# forward counts as "target_forward", a prefill's operations as "prefill")
 PHASES = (
     ("decisions", "before_draft", "decide.before_draft"),
     ("decisions", "after_draft", "decide.after_draft"),
@@ -49,19 +54,23 @@ PHASES = (
     ("", "_row_state", "row_state"),
     ("", "_batch", "step_batch"),
     ("", "_conclude", "conclude"),
-    ("", "target_forward", "target_forward"),
+    ("", "_prefill", "prefill"),
 )
+# phases left out of the per-step counts: prefills, and this instrument's own observer (its digest
+# reads the step record's tensors inside the engine's `_conclude`)
+LEFT_OUT = ("prefill", "instrument")
 
 
 class OpCounter:
-    """Counts the torch operations dispatched while it is entered, by the phase set by `wrap`ped
-    calls (``"step"`` outside them) and, with ``lines``, by the line of our code that ran them."""
+    """Counts the torch operations dispatched while it is entered, by phase (``codes``: the
+    innermost call of a phase on the operation's stack, ``"step"`` outside them; a `LEFT_OUT`
+    phase anywhere on the stack wins) and, with ``lines``, by the line of our code that ran them."""
 
-    def __init__(self, lines: bool):
+    def __init__(self, codes: dict, lines: bool):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
-        self.phase = "step"
+        self.codes = codes
         self.by_phase: collections.Counter = collections.Counter()
         self.by_line: collections.Counter = collections.Counter()
         self.lines = lines
@@ -73,30 +82,75 @@ class OpCounter:
 
         self.mode = Mode()
 
+    def phase_of(self, frame) -> str:
+        """The phase of an operation called from ``frame`` (walking out to the stack's root)."""
+        phase = None
+        while frame is not None:
+            found = self.codes.get(frame.f_code)
+            if found in LEFT_OUT:
+                return found
+            if phase is None:
+                phase = found
+            frame = frame.f_back
+        return phase or "step"
+
     def count(self) -> None:
-        self.by_phase[self.phase] += 1
+        frame = sys._getframe(2)
+        phase = self.phase_of(frame)
+        self.by_phase[phase] += 1
         if self.lines:
-            frame = sys._getframe(2)
             while frame is not None and (not frame.f_code.co_filename.startswith(str(ROOT))
                                          or "/.venv/" in frame.f_code.co_filename):
                 frame = frame.f_back
             if frame is not None:
                 path = Path(frame.f_code.co_filename).relative_to(ROOT)
-                self.by_line[f"{self.phase} {path}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
+                self.by_line[f"{phase} {path}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
 
-    def wrap(self, obj, name: str, phase: str) -> None:
-        """Count the operations of ``obj.name``'s calls under ``phase``."""
-        original = getattr(obj, name)
 
-        @functools.wraps(original)
-        def counted(*args, **kwargs):
-            outer, self.phase = self.phase, phase
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.phase = outer
+def _code(fn):
+    """The code object a call of ``fn`` runs (decorators unwrapped), or None."""
+    fn = inspect.unwrap(fn) if fn is not None else None
+    return getattr(fn, "__code__", None)
 
-        setattr(obj, name, counted)
+
+def phase_codes(engine) -> dict:
+    """{code object: phase} of `PHASES` as ``engine`` (its decision maker, verifier and drafter
+    context as they are now) runs them, and of the target's forward (``"target_forward"``)."""
+    codes = {}
+    for owner, name, phase in PHASES:
+        obj = getattr(engine, owner) if owner else engine
+        code = _code(getattr(type(obj), name, None)) if obj is not None else None
+        if code is not None:
+            codes[code] = phase
+    forward = engine.target_forward
+    target = forward.func if isinstance(forward, functools.partial) else forward
+    code = _code(getattr(type(target), "forward" if hasattr(type(target), "forward") else "__call__", None))
+    if code is not None:
+        codes[code] = "target_forward"
+    return codes
+
+
+class StepDigest:
+    """An engine observer: counts decode steps and digests what each decided and accepted (the
+    applied intent's sources and diffusion steps, the plan's draft lengths and rules, the
+    accepted drafts per row); two versions of the code that decide alike write the same digest.
+    The emitted tokens are not in a `StepRecord`, so they are not digested."""
+
+    def __init__(self):
+        self.steps = 0
+        self.sha = hashlib.sha1()
+
+    def on_step(self, record) -> None:
+        self.steps += 1
+        plan, intent = record.plan, record.intent
+        self.sha.update(repr((intent.source.tolist(), intent.steps.tolist(), plan.draft_len_host if plan else None,
+                              plan.rule_host if plan else None, record.outcome.accepted.tolist())).encode())
+
+    def on_prefill(self, seconds: float, rows: int) -> None:
+        return None
+
+    def hexdigest(self) -> str:
+        return self.sha.hexdigest()[:16]
 
 
 def main(argv=None) -> int:
@@ -149,41 +203,19 @@ def main(argv=None) -> int:
     served, seed = scenario_instance(prompts, args.instance, len(mix))
     run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
 
-    counter = OpCounter(lines=args.lines > 0)
-    for owner, name, phase in PHASES:
-        obj = getattr(engine, owner) if owner else engine
-        if obj is not None and hasattr(obj, name):
-            counter.wrap(obj, name, phase)
-    steps = [0]
-    decode = engine._decode
-
-    def counted_decode(*a, **kw):
-        steps[0] += 1
-        return decode(*a, **kw)
-
-    engine._decode = counted_decode
-    digest = hashlib.sha1()
-    conclude = engine._conclude
-
-    def digested_conclude(batch, intent, pins, result, times):
-        # what each step decided and what it produced: two versions of the code that decide
-        # alike write the same digest
-        plan = batch.plan
-        digest.update(repr((batch.source_host, batch.steps_host, plan.draft_len_host if plan else None,
-                            plan.rule_host if plan else None, list(result.accepted),
-                            [list(t) for t in result.tokens])).encode())
-        return conclude(batch, intent, pins, result, times)
-
-    engine._conclude = digested_conclude
-    prefill = engine._prefill
-    engine._prefill = lambda *a, **kw: _uncounted(counter, prefill, *a, **kw)
-    with counter.mode:
-        run_live(engine, policy, Scenario("mix", args.load, mix[: args.requests]), served, seed=seed)
-    n = max(steps[0], 1)
-    per_phase = {k: round(v / n, 1) for k, v in counter.by_phase.most_common() if k != "prefill"}
+    counter = OpCounter({**phase_codes(engine), StepDigest.on_step.__code__: "instrument"}, lines=args.lines > 0)
+    digest = StepDigest()
+    engine.observers.append(digest)
+    try:
+        with counter.mode:
+            run_live(engine, policy, Scenario("mix", args.load, mix[: args.requests]), served, seed=seed)
+    finally:
+        engine.observers.remove(digest)
+    n = max(digest.steps, 1)
+    per_phase = {k: round(v / n, 1) for k, v in counter.by_phase.most_common() if k not in LEFT_OUT}
     host = sum(v for k, v in per_phase.items() if k != "target_forward")
     print(f"{args.policy} at load {args.load}: {n} decode steps, {host:.0f} host operations per step, "
-          f"decisions digest {digest.hexdigest()[:16]}")
+          f"decisions digest {digest.hexdigest()}")
     for k, v in per_phase.items():
         print(f"  {k:22s} {v:7.1f}")
     top = [(round(v / n, 2), k) for k, v in counter.by_line.most_common(args.lines)]
@@ -191,7 +223,7 @@ def main(argv=None) -> int:
         print(f"  {v:6.2f}  {k}")
     if args.out:
         write_json(args.out, {"policy": args.policy, "load": args.load, "pair": args.pair, "decode_steps": n,
-                              "decisions_digest": digest.hexdigest()[:16], "host_ops_per_step": round(host, 1),
+                              "decisions_digest": digest.hexdigest(), "host_ops_per_step": round(host, 1),
                               "ops_per_step": per_phase, "top_lines": top})
     return 0
 
@@ -205,15 +237,6 @@ class TickClock:
     def __call__(self) -> float:
         self.now += self.tick
         return self.now
-
-
-def _uncounted(counter: OpCounter, call, *args, **kwargs):
-    """Run a prefill under the "prefill" phase (left out of the per-step counts)."""
-    outer, counter.phase = counter.phase, "prefill"
-    try:
-        return call(*args, **kwargs)
-    finally:
-        counter.phase = outer
 
 
 if __name__ == "__main__":

@@ -2,18 +2,19 @@
 
 Serves SmolLM2's mixed workload (the `adapt bench ab` scenario) at one load with each
 policy in turn on one engine, for each scenario instance, and prints milliseconds per decode step
-by phase (`adapt.bench.speed_runners.PhaseProbe`: the drafter's passes, the target forward,
-acceptance, the drafter-context commit, the decision maker's calls, the rest), plus, for the
-adaptive policy, three parts of its decisions (the suffix choice, the step plan, the verify
-decision). Each phase also comes per call (`per_call_ms`: the drafter's passes cost a drafting
-step their per-call time; `draft_package` is the drafter package's own call inside them), and the
-steps of each draft source apart (`by_source`, from the run's trace records: steps, tokens per
-step, median step / draft-phase / verify-phase ms; the draft phase runs from the step's start to
-the drafts, decisions and the drafter's pass included, the verify phase from there to its end), so
-what a diffusion step costs over a plain one in the same run is read off directly. The runs follow
-one another, so a drift of the machine between them moves their ratio (use
-`adapt bench ab --interleave` to compare policies); the phases of one run are what it
-shows. Example:
+by phase (`adapt.bench.speed_runners.PhaseProbe`, an observer of the engine's `StepRecord.times`:
+decide, draft, choose, forward, accept, conclude; workers/step_record.py), plus the decision
+maker's own three calls (`decision_parts_ms`: `before_draft` inside `decide`, `after_draft`
+inside `choose`, `observe` inside `conclude`), timed by a delegating wrapper around the policy
+(`wrapped_decisions.TimedDecisions`; nothing is patched, so the policy's internal parts are not
+timed apart). Each phase also comes per call (`per_call_ms`: the phases that run only on
+drafting steps cost those steps their per-call time), and the steps of each draft source apart
+(`by_source`, from the run's trace records: steps, tokens per step, median step / draft-phase /
+verify-phase ms; the draft phase runs from the step's start to the drafts, decisions and the
+drafter's pass included, the verify phase from there to its end), so what a diffusion step costs
+over a plain one in the same run is read off directly. The runs follow one another, so a drift
+of the machine between them moves their ratio (use `adapt bench ab --interleave` to compare
+policies); the phases of one run are what it shows. Example:
 
     python -m adapt.bench.instruments.phase_times --policies suffix,adaptive --instances 0,1 --out runs/phases-l1.json
 """
@@ -24,10 +25,7 @@ import argparse
 import collections
 import json
 import sys
-import time
 from pathlib import Path
-
-DECISION_PARTS = ("_take_suffix", "_plan_steps", "_verify_drafts")  # AdaptivePolicy methods timed apart
 
 
 def main(argv=None) -> int:
@@ -49,8 +47,8 @@ def main(argv=None) -> int:
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.bench.speed_runners import PhaseProbe
     from adapt.bench.evaluation import evaluation_mix, profiled_policy_file
+    from adapt.bench.instruments.wrapped_decisions import TimedDecisions
     from adapt.replay import Scenario
-    from policies.adaptive import AdaptivePolicy
     from workers.traces import ListTraceSink
 
     torch.set_num_threads(2)
@@ -59,43 +57,21 @@ def main(argv=None) -> int:
     K = engine.block
     mix = evaluation_mix(pf.cost, K, max(args.requests, 2 * args.load))
     grid = tuple(pf.settings.get("steps_grid", (1,)))
-    parts: collections.Counter = collections.Counter()
-
-    def timed(name):
-        inner = getattr(AdaptivePolicy, name)
-
-        def call(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                parts[name] += time.perf_counter() - t0
-
-        return call
-
-    saved = {n: getattr(AdaptivePolicy, n) for n in DECISION_PARTS}
-    for n in DECISION_PARTS:
-        setattr(AdaptivePolicy, n, timed(n))
     out = {}
-    try:
-        for inst in [int(x) for x in args.instances.split(",")]:
-            served, seed = scenario_instance(prompts, inst, len(mix))
-            for name in [n.strip() for n in args.policies.split(",")]:
-                policy = make_policy(name, pf, steps_grid=grid, width=K)
-                run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
-                parts.clear()
-                sink = ListTraceSink()
-                with PhaseProbe(engine) as probe:
-                    run_live(engine, policy, Scenario("mix", args.load, mix), served, seed=seed, trace_sink=sink)
-                r = probe.report()
-                r["by_source"] = by_source(sink.records)
-                n = max(r["decode_steps"], 1)
-                r["decision_parts_ms"] = {k: round(1e3 * v / n, 3) for k, v in parts.items()}
-                print(inst, name, json.dumps(r), flush=True)
-                out[f"{name}-{inst}"] = r
-    finally:
-        for n, f in saved.items():
-            setattr(AdaptivePolicy, n, f)
+    for inst in [int(x) for x in args.instances.split(",")]:
+        served, seed = scenario_instance(prompts, inst, len(mix))
+        for name in [n.strip() for n in args.policies.split(",")]:
+            policy = TimedDecisions(make_policy(name, pf, steps_grid=grid, width=K))
+            run_live(engine, policy, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
+            policy.reset()
+            sink = ListTraceSink()
+            with PhaseProbe(engine) as probe:
+                run_live(engine, policy, Scenario("mix", args.load, mix), served, seed=seed, trace_sink=sink)
+            r = probe.report()
+            r["by_source"] = by_source(sink.records)
+            r["decision_parts_ms"] = policy.ms_per_step(r["decode_steps"])
+            print(inst, name, json.dumps(r), flush=True)
+            out[f"{name}-{inst}"] = r
     if args.out:
         write_json(args.out, out)
     return 0

@@ -1,8 +1,8 @@
 """A per-step log of the adaptive policy's choices and what each step took, live, beside `ar`.
 
 One interleaved round (adapt/bench/interleave.py) per ``--rounds`` of `ar` and the adaptive policy
-on the mixed workload at ``--load`` requests (the `adapt bench ab` scenario: 2 x load
-requests, 64 ± 50 % tokens, SLA targets from the start-up profile or ``--sla-ms``). For every
+on the mixed workload at ``--load`` requests (the `adapt bench ab` scenario: ``--requests``
+requests, at least 2 x load, 64 ± 50 % tokens, SLA targets from the start-up profile or ``--sla-ms``). For every
 step the adaptive policy decides it records the batch size, the rows drafting by diffusion and by
 suffix copy, their weights and lateness against the batch's, how many rows are behind their
 target, λ, and the step's outcome: wall ms, positions verified, accepted drafts, the cost
@@ -15,7 +15,14 @@ Each adaptive step also records how many rows were offered a suffix draft and th
 (``suffix_offered``, ``suffix_lengths``), each baseline step its batch size and drafting rows
 (``baseline_steps``): per state (how many rows could copy) the two policies' tokens per ms side by
 side. Warm-up runs are not logged. ``--instances``: round r serves its own instance of the
-scenario (`adapt.bench.interleave.scenario_instance`).
+scenario (`adapt.bench.interleave.scenario_instance`). ``--pair demo --compile off`` runs it on
+the tiny demo pair (its test does).
+
+How it sees the steps, without patching either policy: the adaptive policy is wrapped
+(`LoggedAdaptive`, a `wrapped_decisions.DelegatingDecisions`), which reads the policy's weights,
+lateness and λ of each step it decides right after `before_draft` and the cost table's
+prediction right before `observe` learns from the step; the baseline's steps come from an
+observer on its engine (`BaselineSteps`, `Engine.observers`).
 
     python -m adapt.bench.instruments.step_log --load 32 --rounds 1 --sla-ms 39.2 --out /tmp/steps-32.json
 
@@ -31,6 +38,71 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from adapt.bench.instruments.wrapped_decisions import DelegatingDecisions
+from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
+
+ROOT = Path(__file__).resolve().parents[3]  # the repository
+
+
+class LoggedAdaptive(DelegatingDecisions):
+    """The adaptive policy's decisions, unchanged, each decided step logged into ``log``: right
+    after `before_draft` the rows drafting by diffusion and by suffix copy (the policy's answer,
+    before the engine applies pins), the rows offered a suffix draft, the weights and lateness
+    of the step's context and λ (``threshold``); right before `observe`, the step's outcome and
+    the cost table's prediction for it (before `observe` moves the table). Held steps (the
+    policy's cadence holds a plain decision: no weights computed) are not logged."""
+
+    def __init__(self, inner, log: list[dict]):
+        super().__init__(inner)
+        self.log = log
+
+    def before_draft(self, rows):
+        p = self.inner
+        held = p.cadence.held_steps
+        intent = p.before_draft(rows)
+        if p.cadence.held_steps == held and len(rows.request_ids):  # a decided step
+            ctx = p._ctx(rows, rows.temperature.device)  # the step's context, as the policy cached it
+            w, late, source = p.weights(ctx).cpu(), ctx["lateness"].cpu(), intent.source.cpu()
+            drafting = source != NONE_CODE
+            n = rows.suffix_len
+            self.log.append({"B": len(rows.request_ids), "diffusion_rows": int((source == DIFFUSION_CODE).sum()),
+                             "suffix_rows": int((source == SUFFIX_CODE).sum()),
+                             "suffix_offered": None if n is None else int((n > 0).sum()),
+                             "suffix_lengths": None if n is None else n.tolist(),
+                             "weight_drafting": float(w[drafting].mean()) if drafting.any() else None,
+                             "weight_all": float(w.mean()), "lateness_all": float(late.mean()),
+                             "lateness_drafting": float(late[drafting].mean()) if drafting.any() else None,
+                             "rows_behind": int((late > 1).sum()), "lambda": float(p.threshold), "t": time.perf_counter()})
+        return intent
+
+    def observe(self, record) -> None:
+        from policies.base import rows_per_pass
+
+        if self.log and "ms" not in self.log[-1]:  # the outcome of the latest decided step (held steps skipped)
+            outcome, p = record.outcome, self.inner
+            predicted = float(p.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(record.intent.steps)))
+            self.log[-1].update({"ms": 1e3 * outcome.step_time, "positions": int(outcome.num_tokens),
+                                 "accepted": int(outcome.accepted.sum()), "verified": int(outcome.verified.sum()),
+                                 "predicted_ms": predicted, "decision_ms": p.cadence.decide_ms})
+        return self.inner.observe(record)
+
+
+class BaselineSteps:
+    """An engine observer (`Engine.observers`) logging each decode step into ``log``: batch size,
+    wall ms, positions verified, accepted drafts, verified drafts, rows that drafted."""
+
+    def __init__(self, log: list[dict]):
+        self.log = log
+
+    def on_step(self, record) -> None:
+        o = record.outcome
+        self.log.append({"B": len(record.rows.request_ids), "ms": 1e3 * o.step_time, "positions": int(o.num_tokens),
+                         "accepted": int(o.accepted.sum()), "verified": int(o.verified.sum()),
+                         "drafting_rows": int((o.verified > 0).sum())})
+
+    def on_prefill(self, seconds: float, rows: int) -> None:
+        return None
 
 
 def summary(steps: list[dict]) -> list[str]:
@@ -51,13 +123,16 @@ def summary(steps: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
+    p.add_argument("--compile", default="aot", choices=("off", "aot"))
     p.add_argument("--load", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--requests", type=int, default=24, help="requests per round (at least 2 x load)")
     p.add_argument("--workload", default="mixed")
     p.add_argument("--baseline", default="ar", choices=("ar", "suffix"), help="the static policy beside it")
     p.add_argument("--sla-ms", type=float, default=None, help="the tight TPOT target (the loose one is 4x)")
     p.add_argument("--set", action="append", default=[], help="an adaptive setting, key=JSON value")
-    p.add_argument("--policy-file", default=str(Path(__file__).resolve().parents[3] / "models/smollm2/policy.json"))
+    p.add_argument("--policy-file", default=None, help="default: the pair's models/<pair>/policy.json")
     p.add_argument("--instances", action="store_true",
                    help="round r serves its own instance of the scenario (adapt.bench.interleave.scenario_instance)")
     p.add_argument("--out", required=True)
@@ -71,72 +146,38 @@ def main(argv=None) -> int:
 
     import torch
 
-    import policies.adaptive as adaptive
     from adapt.bench.interleave import engine_copies, run_interleaved, scenario_instance
     from adapt.bench.live import run_live
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.bench.evaluation import evaluation_mix, profiled_policy_file, tight_tpot_ms
     from adapt.controller import build_policy
     from adapt.replay import Scenario
-    from policies.base import rows_per_pass
 
     torch.set_num_threads(2)
-    engine, prompts = workload_engine("smollm2", args.workload, args.load, 97, compile="aot")
-    pf = profiled_policy_file(args.policy_file, engine)
+    engine, prompts = workload_engine(args.pair, args.workload, args.load, 97, compile=args.compile)
+    pf = profiled_policy_file(args.policy_file or ROOT / "models" / args.pair / "policy.json", engine)
     K = engine.block
     t1 = args.sla_ms or tight_tpot_ms(pf.cost, K)
-    mix = evaluation_mix(pf.cost, K, max(24, 2 * args.load), tight_ms=t1)
+    mix = evaluation_mix(pf.cost, K, max(args.requests, 2 * args.load), tight_ms=t1)
     log: list[dict] = []
-
-    class Logged(adaptive.AdaptivePolicy):
-        def _steps(self, rows, ctx):
-            steps = super()._steps(rows, ctx)
-            w, late, s = self.weights(ctx).cpu(), ctx["lateness"].cpu(), steps.cpu()
-            drafting = s != 0
-            n = getattr(rows, "suffix_len", None)
-            log.append({"B": len(rows.request_ids), "diffusion_rows": int((s > 0).sum()), "suffix_rows": int((s < 0).sum()),
-                        "suffix_offered": None if n is None else int((n > 0).sum()),
-                        "suffix_lengths": None if n is None else n.tolist(),
-                        "weight_drafting": float(w[drafting].mean()) if drafting.any() else None,
-                        "weight_all": float(w.mean()), "lateness_all": float(late.mean()),
-                        "lateness_drafting": float(late[drafting].mean()) if drafting.any() else None,
-                        "rows_behind": int((late > 1).sum()), "lambda": float(self.threshold), "t": time.perf_counter()})
-            return steps
-
-        def observe(self, rows, outcome):
-            if log and "ms" not in log[-1]:  # the outcome of the latest decided step (held steps skipped)
-                predicted = (float(self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(self.last_steps)))
-                             if self.last_steps is not None else None)
-                log[-1].update({"ms": 1e3 * outcome.step_time, "positions": int(outcome.num_tokens),
-                                "accepted": int(outcome.accepted.sum()), "verified": int(outcome.verified.sum()),
-                                "predicted_ms": predicted, "decision_ms": self.cadence.decide_ms})
-            return super().observe(rows, outcome)
-
-    from adapt.bench.live import KnobsBaseline
-
-    class LoggedBaseline(KnobsBaseline):
-        """The baseline, its steps' outcomes logged in `base_log` (B, positions, accepted, ms)."""
-
-        def observe(self, rows, outcome):
-            base_log.append({"B": len(rows.request_ids), "ms": 1e3 * outcome.step_time,
-                             "positions": int(outcome.num_tokens), "accepted": int(outcome.accepted.sum()),
-                             "verified": int(outcome.verified.sum()), "drafting_rows": int((outcome.verified > 0).sum())})
-
     base_log: list[dict] = []
     engines = engine_copies(engine, 2)
     rounds = []
     for r in range(args.rounds):
         kwargs = {"steps_grid": tuple(pf.settings.get("steps_grid", (1,))), **settings}
-        policy = build_policy("adaptive", pf, **kwargs)
-        policy.__class__ = Logged  # the same policy, its steps and outcomes logged
+        policy = LoggedAdaptive(build_policy("adaptive", pf, **kwargs), log)
         base = make_policy(args.baseline, pf, steps_grid=(1,), width=K)
-        base.__class__ = LoggedBaseline
         pair = [base, policy] if r % 2 == 0 else [policy, base]
         served, seed = scenario_instance(prompts, r, len(mix), vary=args.instances)
         for e, pol in zip(engines, pair):  # warm-up runs, their steps not logged
             run_live(e, pol, Scenario("warm", min(args.load, 4), mix[:4]), served, seed=seed)
         start, base_start = len(log), len(base_log)
-        measured = run_interleaved(engines, pair, Scenario("mix", args.load, mix), served, seed=seed)
+        base_engine, watch = engines[pair.index(base)], BaselineSteps(base_log)
+        base_engine.observers.append(watch)
+        try:
+            measured = run_interleaved(engines, pair, Scenario("mix", args.load, mix), served, seed=seed)
+        finally:
+            base_engine.observers.remove(watch)
         m_base, m_ad = measured if r % 2 == 0 else measured[::-1]
         steps = log[start:]
         rounds.append({args.baseline: {k: m_base[k] for k in ("goodput_tok_s", "sla_attainment")},
