@@ -47,8 +47,8 @@ def test_every_row_and_batch_is_reported(report):
 
 def test_adapt_rows_run_eager_by_default_and_compiled_rows_report_their_warm_up(report, tmp_path):
     """`--compile` defaults to off (eager decode steps, as `adapt serve` and `adapt generate` run
-    by default: compiling SmolLM2's steps takes 7-14 minutes); a compiled row (`--compile auto`,
-    on for CPU) reports its warm-up, an eager run none. (The compiled programs themselves are
+    by default: compiling SmolLM2's steps takes 7-14 minutes); a compiled row (`--compile on`:
+    torch.compile, workers/backends.py) reports its warm-up, an eager run none. (The compiled programs themselves are
     tested in tests/test_compiled.py.)"""
     import argparse
 
@@ -64,7 +64,7 @@ def test_adapt_rows_run_eager_by_default_and_compiled_rows_report_their_warm_up(
     out = tmp_path / "out"
     assert main(["bench", "speed", "--target", str(target), "--drafter", str(drafter), "--dtype", "float32",
                  "--batch-sizes", "1", "--max-tokens", "4", "--prompt-len", "12", "--rounds", "1", "--threads", "1",
-                 "--rows", "adapt-ar", "--compile", "auto", "--out", str(out)]) == 0
+                 "--rows", "adapt-ar", "--compile", "on", "--out", str(out)]) == 0
     warm = json.loads((out / "speed.json").read_text())["config"]["warm_up"]
     assert set(warm) == {"adapt-ar"} and warm["adapt-ar"]["steps"] > 0 and warm["adapt-ar"]["seconds"] > 0, warm
 

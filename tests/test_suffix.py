@@ -732,12 +732,13 @@ def _take_suffix_with(rows, steps, extra, toks, per_pass_ms: float, **settings):
     import torch
 
     from policies.adaptive import AdaptivePolicy
+    from policies.adaptive.source import take_suffix
     from policies.defaults import LinearCost
 
     policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=per_pass_ms, per_row_ms=0.0),
                             online_cost=False, hold_max=0, suffix_recalibrate=False, **settings)
     ctx = policy._ctx(rows, torch.device("cpu"))
-    copy, choice = policy._take_suffix(rows, ctx, steps.clone(), extra.clone(), toks.clone())
+    copy, choice = take_suffix(policy, rows, ctx, steps.clone(), extra.clone(), toks.clone())
     out = torch.where(copy, COPY, steps)
     return out.tolist(), choice.suffix_k.tolist()
 

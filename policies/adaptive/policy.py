@@ -148,26 +148,19 @@ class AdaptivePolicy(Policy):
             if self._plan is not None and self._plan.key == key and self._plan.age < self.replan_every:
                 self._plan = self._plan.aged()
             else:
-                self._plan = self._plan_steps(rows, ctx, B, K)
+                self._plan = plan_steps(self, rows, ctx, B, K)
             steps, extra, toks = self._plan.steps, self._plan.extra, self._plan.toks
         plan = self._plan
         raw = plan if plan is not None and plan.raw_extra is not None and plan.key == tuple(rows.request_ids) else None
         copy = torch.zeros(B, dtype=torch.bool)  # rows that take their suffix draft
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
-            copy, self.step = self._take_suffix(rows, ctx, steps, extra, toks)
+            copy, self.step = take_suffix(self, rows, ctx, steps, extra, toks)
             steps = torch.where(copy.to(steps.device), 0, steps)
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
             stay = torch.where(steps.cpu() > 0, raw.raw_extra, torch.zeros_like(raw.raw_extra))
             self.step = replace(self.step, diffusion_expect=(stay, raw.level))
         source = torch.where(copy.to(steps.device), SUFFIX_CODE, torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE))
         return source, steps
-
-    # the three decision phases, methods so that `adapt.bench.instruments.phase_times` times them apart
-    def _plan_steps(self, rows, ctx, B: int, K: int) -> Plan:
-        return plan_steps(self, rows, ctx, B, K)
-
-    def _take_suffix(self, rows, ctx, steps, extra, toks) -> tuple[torch.Tensor, StepDecision]:  # [B] bool, choice
-        return take_suffix(self, rows, ctx, steps, extra, toks)
 
     def _span(self, rows, steps: list[int]) -> int:
         span, flat = span_of(self, rows, steps)
@@ -184,14 +177,10 @@ class AdaptivePolicy(Policy):
 
     # -- after drafting ------------------------------------------------------------------------------
     def _verify(self, rows, draft, ctx):
-        decision = self._verify_drafts(rows, draft, ctx)
-        return with_suffix(decision, rows, draft, self.step.suffix_k)
-
-    def _verify_drafts(self, rows, draft, ctx):
         decision, threshold = verify_drafts(self, rows, draft, ctx, self.step)
         if threshold is not None:
             self.threshold = threshold
-        return decision
+        return with_suffix(decision, rows, draft, self.step.suffix_k)
 
     # -- after the step (calibration.py) --------------------------------------------------------------
     @property
