@@ -116,8 +116,11 @@ class Decoder:
         config = validate_engine_options({"target": target, "drafter": drafter, **(engine_options or {})})
         config, dtype_choice = _measured_dtype(config, num_threads)
         store = redis_url or _controller_store(controller)
-        meta = {"pid": os.getpid(), "node": _node_id(), "dtype": config.get("dtype", "auto"),
-                "dtype_reason": dtype_choice["reason"] if dtype_choice else "given (engine_options.dtype)"}
+        dtype = config.get("dtype", "auto")
+        meta = {"pid": os.getpid(), "node": _node_id(), "dtype": dtype,
+                "dtype_reason": dtype_choice["reason"] if dtype_choice else
+                "given (engine_options.dtype)" if dtype != "auto" else
+                "auto off the CPU: bfloat16, float16 where the GPU has no bfloat16"}
         plugin = functools.partial(ServingPlugin, store=store, policy=policy, heartbeat_s=heartbeat_s,
                                    ttl_s=ttl_s, meta=meta)
         self.worker = DecoderWorker(f"decoder-{_replica_id()}", config, plugin, num_threads)
