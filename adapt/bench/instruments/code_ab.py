@@ -77,11 +77,11 @@ def main(argv=None) -> int:
         run_dir = (args.out / f"{label}-{n}").resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=str(where))
-        t0 = time.perf_counter()
-        print(f"[code-ab] run {n}/{len(order)}: {label} ({commit_of(where)})", flush=True)
+        t0, commit = time.perf_counter(), commit_of(where)  # the commit the run starts from
+        print(f"[code-ab] run {n}/{len(order)}: {label} ({commit})", flush=True)
         subprocess.run([sys.executable, "-m", "adapt.cli", *command, "--out", str(run_out(command, run_dir))],
                        cwd=where, env=env, check=True)
-        runs.append({"run": n, "code": label, "commit": commit_of(where), "seconds": round(time.perf_counter() - t0, 1),
+        runs.append({"run": n, "code": label, "commit": commit, "seconds": round(time.perf_counter() - t0, 1),
                      "ratios": ratios_of(command, run_dir)})
     keys = sorted({k for r in runs for k in r["ratios"]})
     summary = {}
