@@ -49,7 +49,7 @@ def ratios_of(command: list[str], run_dir: Path) -> dict[str, float]:
     """The side-by-side ratios a run measured, by key (``batch=B`` or ``load=L:POLICY``)."""
     if command[:2] == ["bench", "ab"]:
         rows = json.loads((run_dir / "ab.json").read_text())
-        return {f"load={r['concurrency']}:{r['policy']}": r["paired_ratio"] for r in rows if "paired_ratio" in r}
+        return {f"load={r['load']}:{r['policy']}": r["paired_ratio"] for r in rows if "paired_ratio" in r}
     speed = json.loads((run_dir / "speed.json").read_text())
     paired = speed["ratios"]["paired"]["adapt-policy/adapt-ar"]
     return {f"batch={b}": v["median"] for b, v in paired.items()}
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", required=True, type=Path, help="the checkout of the code under test")
     p.add_argument("--order", default="old,new,old,new", help="the runs, in order")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--resume", action="store_true", help="read runs whose output is already under --out instead of rerunning them")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then an adapt command, without `adapt` and --out")
     args = p.parse_args(argv)
     command = [c for c in args.command if c != "--"]
@@ -78,9 +79,13 @@ def main(argv=None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=str(where))
         t0, commit = time.perf_counter(), commit_of(where)  # the commit the run starts from
-        print(f"[code-ab] run {n}/{len(order)}: {label} ({commit})", flush=True)
-        subprocess.run([sys.executable, "-m", "adapt.cli", *command, "--out", str(run_out(command, run_dir))],
-                       cwd=where, env=env, check=True)
+        out = run_out(command, run_dir)
+        if args.resume and (out / "speed.json" if out == run_dir else out).is_file():
+            print(f"[code-ab] run {n}/{len(order)}: {label}: read from {out}", flush=True)
+        else:
+            print(f"[code-ab] run {n}/{len(order)}: {label} ({commit})", flush=True)
+            subprocess.run([sys.executable, "-m", "adapt.cli", *command, "--out", str(out)], cwd=where, env=env,
+                           check=True)
         runs.append({"run": n, "code": label, "commit": commit, "seconds": round(time.perf_counter() - t0, 1),
                      "ratios": ratios_of(command, run_dir)})
     keys = sorted({k for r in runs for k in r["ratios"]})
