@@ -99,7 +99,7 @@ def test_the_check_finds_each_kind_of_patch():
         "engine._decode = decode": "replaces ._decode",
         "eng.drafting.draft = timed": "replaces .draft",
         "policy.__class__ = Logged": "assigns __class__",
-        "setattr(AdaptivePolicy, '_plan_steps', timed)": "setattr(..., '_plan_steps')",
+        "setattr(AdaptivePolicy, '_span', timed)": "setattr(..., '_span')",
         "for n in parts:\n    setattr(AdaptivePolicy, n, timed(n))": "setattr with a computed name",
         "setattr(obj, name, counted)": "setattr with a computed name",
         "del engine.drafting.draft": "replaces .draft",
