@@ -13,7 +13,8 @@ flat while memory-bound, then linear once compute-bound), filled one of three wa
   target / drafter forwards, see `adapt.controller.profile_engine`),
 - `CostModel.fit_traces` reads the timings logged in engine traces,
 - `CostModel.observe` corrects the tables online from each measured step (an exponential moving
-  average spread over the two table points around the measurement).
+  average: a drafting step moves the draft table's points around its rows; a plain step scales
+  the overhead and both tables by one speed factor).
 
 All evaluation methods accept tensors and run as tensor code (no per-row Python).
 """
@@ -36,7 +37,6 @@ DEFAULT_ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # tokens (the matmuls turn compute-bound past 6), which a table through 1, 2, 4, 8 priced at up to
 # 1.2 ms (8 %) over its cost at 5 and 6: the drafts a policy verifies there.
 PROFILE_TOKEN_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256, 512, 1024)
-OVERHEAD_SHARE = 0.5  # share of a measured step's residual that online correction gives the overhead
 # A *bounded residual*: what one measured step teaches the tables, measured − predicted capped at
 # ± this multiple of the prediction (a step counts as at most twice what was predicted). A stall
 # (a page fault, a noisy neighbour) then moves a table point by at most `rate` of a step instead
@@ -155,6 +155,14 @@ class Table:
             for j in range(1, len(ys)):
                 ys[j] = max(ys[j], ys[j - 1])
             self._version += 1
+
+    def scale(self, factor: float) -> None:
+        """Multiply every point, and the points as built, by ``factor``: a change of the machine's
+        speed that moves every size's cost alike (the table's shape, what one size costs against
+        another, is kept; a stale rise still relaxes toward the scaled value as built)."""
+        self._ys = [y * factor for y in self._ys]
+        self._ref = [y * factor for y in self._ref]
+        self._version += 1
 
     def to_dict(self) -> dict:
         return {"x": [float(v) for v in self._xs], "ms": [round(float(v), 6) for v in self._ys]}
@@ -306,10 +314,16 @@ class CostModel:
             for r in rows:
                 self.draft_pass.nudge(r, resid / len(rows) / self.span_scale(), self.rate, now)
             return
-        # a step without drafts: half to the per-step overhead (what every step pays: decisions,
-        # bookkeeping), half to the verify table at this size (what depends on it)
-        self.overhead_ms = max(0.0, self.overhead_ms + self.rate * OVERHEAD_SHARE * resid)
-        self.verify.nudge(num_tokens, (1.0 - OVERHEAD_SHARE) * resid, self.rate, now)
+        # a step without drafts: a speed factor on the overhead and both tables. A plain step
+        # measures one size only; raising that size's cost alone made a machine that slowed down
+        # uniformly (a busy neighbour, a lower clock) look cheaper to draft on, since a wider
+        # verify and the drafter pass kept their old prices while the plain step's rose
+        predicted = self.step_ms_at(num_tokens)
+        if predicted > 0.0:
+            factor = max(0.5, 1.0 + self.rate * resid / predicted)
+            self.overhead_ms *= factor
+            self.verify.scale(factor)
+            self.draft_pass.scale(factor)
 
     # -- building the tables ----------------------------------------------------------------------
     @classmethod

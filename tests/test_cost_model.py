@@ -215,6 +215,22 @@ def test_a_rise_no_step_measures_again_is_halved_after_stale_steps():
     assert c.draft_pass.at(1.0) - built == pytest.approx(risen / 2)
     for _ in range(4 * STALE_STEPS):
         c.observe(1.0, [], c.step_ms_at(1.0) + 2.0)  # plain steps 2 ms slower: learned, not relaxed
-    assert c.draft_pass.at(1.0) - built < risen / 16
+    speed = c.verify.at(1.0) / CostModel().verify.at(1.0)  # the plain steps' speed factor (both tables)
+    assert speed > 1.05
+    assert c.draft_pass.at(1.0) / speed - built < risen / 16  # the rise, in the machine's speed as built
     assert c.step_ms_at(1.0) > CostModel().step_ms_at(1.0) + 1.5
     assert all(a <= b for a, b in zip(c.draft_pass.ys.tolist(), c.draft_pass.ys.tolist()[1:]))
+
+
+def test_a_uniform_slowdown_seen_on_plain_steps_keeps_the_price_of_drafting():
+    """Plain steps that all run 1.5x their prediction (a busy neighbour, a lower clock) slow every
+    forward alike: the model learns the plain step's time, and drafting keeps its price relative
+    to it (a 5-token verify with a drafter pass against a one-token step), instead of looking
+    cheaper because only the one-token point rose."""
+    c = CostModel()
+    ratio = c.step_ms_at(5.0, [1]) / c.step_ms_at(1.0)
+    for _ in range(300):
+        c.observe(1.0, [], 1.5 * CostModel().step_ms_at(1.0))
+    assert c.step_ms_at(1.0) == pytest.approx(1.5 * CostModel().step_ms_at(1.0), rel=0.02)
+    assert c.step_ms_at(5.0, [1]) / c.step_ms_at(1.0) == pytest.approx(ratio, rel=0.03)
+    assert all(a <= b for a, b in zip(c.verify.ys.tolist(), c.verify.ys.tolist()[1:]))
