@@ -2,7 +2,7 @@
 
 Words used here:
 - **machine facts**: what decides how fast a step runs besides the model: the CPU's model name and
-  the instruction sets torch's kernels pick from (`CAPABILITY_FLAGS`), the capability this process
+  the instruction sets torch's kernels pick from (`workers.cpu_capability.CAPABILITY_FLAGS`), the capability this process
   really uses (`workers.cpu_capability`: lowered by ``ATEN_CPU_CAPABILITY`` or
   ``ONEDNN_MAX_CPU_ISA``), torch's thread count and version, and the GPU's name where the engine
   runs on one.
@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -47,27 +46,9 @@ log = logging.getLogger(__name__)
 PROFILE_FORMAT = 1
 # CPU flags that change which kernels torch runs: AVX2 / AVX-512 vector units, native bf16 dot
 # products (avx512_bf16), Intel AMX tiles (amx_*), fp16 conversions.
-CAPABILITY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                    "amx_tile", "amx_bf16", "amx_int8")
 # Files of a model directory whose name, size and mtime make its digest.
 _MODEL_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf")
 PROFILE_REPEATS = 3  # timed sweeps of the coarse grid (`CostModel.profile`); the policy corrects online
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's block of /proc/cpuinfo ({} where there is none)."""
-    out: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                if out:
-                    break
-                continue
-            key, _, value = line.partition(":")
-            out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
 
 
 @functools.cache
@@ -77,12 +58,9 @@ def cpu_facts() -> dict[str, Any]:
     vector ISA torch's kernels dispatch to, e.g. AVX512, AVX2), "onednn_isa_limit",
     "native_bf16", "limited_by" (the environment variables that lower it)}. The flags alone would
     let a run under ``ATEN_CPU_CAPABILITY=avx2`` reuse a profile timed with AVX-512 kernels."""
-    from workers.cpu_capability import effective_capability
+    from workers.cpu_capability import cpu_identity, effective_capability
 
-    info = _cpuinfo()
-    flags = set(info.get("flags", "").split())
-    return {"cpu": info.get("model name") or platform.processor() or platform.machine(),
-            "flags": [f for f in CAPABILITY_FLAGS if f in flags], **effective_capability()}
+    return {**cpu_identity(), **effective_capability()}
 
 
 def machine_facts(device: torch.device | str = "cpu") -> dict[str, Any]:

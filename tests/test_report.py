@@ -72,3 +72,21 @@ def test_a_document_without_markers_is_refused(tmp_path):
 def test_machine_names_cpu_flags_and_cores():
     m = report.machine()
     assert m["cpu"] and m["cores"] >= 1 and set(m["flags"]) <= set(report.CPU_FLAGS)
+
+
+def test_vllm_rows_become_a_row_against_the_faster_of_the_two(tmp_path):
+    """Where the speed run measured vLLM's rows, the table says how the adaptive policy does against the
+    faster of `vllm` and `vllm-ngram` at each batch size; where it did not, there is no such row."""
+    out = tmp_path / "speed"
+    shutil.copytree(ROOT / "results" / "speed" / "smollm2", out)
+    speed = json.loads((out / "speed.json").read_text(encoding="utf-8"))
+    speed["results"] = [r for r in speed["results"] if not r["row"].startswith("vllm")]
+    (out / "speed.json").write_text(json.dumps(speed), encoding="utf-8")
+    assert not any("against vLLM" in what for what, _, _ in report._speed_rows(out))
+    ours = next(r["tokens_per_s"] for r in speed["results"] if r["row"] == "adapt-policy" and r["batch"] == 1)
+    speed["results"] += [{"row": "vllm", "batch": 1, "tokens_per_s": ours / 2},
+                         {"row": "vllm-ngram", "batch": 1, "tokens_per_s": ours / 1.6}]
+    (out / "speed.json").write_text(json.dumps(speed), encoding="utf-8")
+    rows = [r for r in report._speed_rows(out) if "against vLLM" in r[0]]
+    assert len(rows) == 1 and "batch 1" in rows[0][0]
+    assert rows[0][1].startswith("**1.60×**") and "`vllm-ngram` here" in rows[0][2]

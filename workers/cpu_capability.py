@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LIMITING_VARIABLES", "capability_label", "effective_capability"]
+__all__ = ["CAPABILITY_FLAGS", "LIMITING_VARIABLES", "capability_label", "cpu_identity", "effective_capability"]
+
+# The CPU flags that decide which kernels torch and oneDNN can pick (what a key or a results file names).
+CAPABILITY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                    "amx_tile", "amx_bf16", "amx_int8")
 
 LIMITING_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
@@ -38,6 +44,26 @@ def _native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         return False
+
+
+@functools.cache
+def cpu_identity() -> dict[str, Any]:
+    """{"cpu": the CPU's model name, "flags": the `CAPABILITY_FLAGS` it has}, from the first
+    processor's block of /proc/cpuinfo (the platform's processor name and no flags without one)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                if info:
+                    break
+                continue
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    return {"cpu": info.get("model name") or platform.processor() or platform.machine(),
+            "flags": [f for f in CAPABILITY_FLAGS if f in flags]}
 
 
 @functools.cache

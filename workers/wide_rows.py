@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
-import platform
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from workers.atomic_file import write_text_atomic
-from workers.cpu_capability import capability_label
+from workers.cpu_capability import capability_label, cpu_identity
 from workers.linear import Fusable, ShapeAwareLinear, wants_wide_shadow
 
 __all__ = ["CANDIDATE_ROWS", "calibrate_wide_rows", "forward_linears"]
@@ -136,19 +133,8 @@ def _key(shape: tuple[int, int], layers: int, dtype: torch.dtype, candidates: tu
     """What a stored crossover is valid for: this CPU and the capability its kernels run at
     (`workers.cpu_capability`: ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` change which kernels
     the two paths run), torch, threads, the shape and its layers."""
-    return "|".join([_cpu_name(), capability_label(), torch.__version__, f"threads={torch.get_num_threads()}", str(dtype),
+    return "|".join([cpu_identity()["cpu"], capability_label(), torch.__version__, f"threads={torch.get_num_threads()}", str(dtype),
                      f"{shape[0]}x{shape[1]}x{layers}", "rows=" + ",".join(map(str, candidates))])
-
-
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @contextlib.contextmanager

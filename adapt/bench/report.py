@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import shlex
 import subprocess
 import time
@@ -47,7 +46,8 @@ class Headline:
 
 HEADLINES = (
     Headline("speed",
-             ("--prompts", "models/smollm2/heldout_prompts.jsonl", "--batch-sizes", "1,8", "--num-prompts", "8", "--rows", "adapt-ar,adapt-policy",
+             ("--prompts", "models/smollm2/heldout_prompts.jsonl", "--batch-sizes", "1,8", "--num-prompts", "8",
+              "--rows", "adapt-ar,adapt-policy,vllm,vllm-ngram",
               "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
              ("--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--rows", "adapt-ar,adapt-policy",
               "--threads", "2", "--rounds", "1", "--interleave", "--compile", "off", "--no-profile")),
@@ -66,17 +66,10 @@ def folder(results: Path, benchmark: str, pair: str) -> Path:
 
 def machine() -> dict:
     """This machine as a results file names it: CPU model, the `CPU_FLAGS` it has, cores."""
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("unknown", platform.processor()):
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu": model, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count() or 1}
+    from workers.cpu_capability import cpu_identity
+
+    cpu = cpu_identity()
+    return {"cpu": cpu["cpu"], "flags": [f for f in CPU_FLAGS if f in cpu["flags"]], "cores": os.cpu_count() or 1}
 
 
 def commit() -> str:
@@ -167,6 +160,14 @@ def _speed_rows(out: Path) -> list[tuple[str, str, str]]:
                 f"{cfg['max_tokens']} tokens, greedy, {steps}")
         rows.append((what, number, "autoregressive decoding on the same engine (`adapt-ar`)"
                      + (", interleaved step by step" if cfg.get("interleave") else "")))
+        theirs = {name: by[(name, b)] for name in ("vllm", "vllm-ngram") if by.get((name, b), {}).get("tokens_per_s")}
+        if theirs:
+            best = max(theirs, key=lambda name: theirs[name]["tokens_per_s"])
+            number = (f"**{_ratio(ours['tokens_per_s'] / theirs[best]['tokens_per_s'])}**; {ours['tokens_per_s']:.0f} against "
+                      + ", ".join(f"{name} {e['tokens_per_s']:.0f}" for name, e in theirs.items()) + " tok/s")
+            rows.append((what.replace("speed, adaptive policy", "speed against vLLM, adaptive policy"), number,
+                         f"the faster of vLLM's CPU build (`vllm`) and vLLM with n-gram speculation (`vllm-ngram`), "
+                         f"same weights and dtype, rounds one after another (`{best}` here)"))
     return rows
 
 
