@@ -73,12 +73,13 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The checked-out commit (short hash), ``+modified`` when tracked files differ from it."""
+    """The checked-out commit (short hash), ``+modified`` when tracked files outside results/ differ from it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # results/ is what the report writes itself (a later headline runs after an earlier one wrote there)
+    return head + ("+modified" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results") else "")
 
 
 def folder_readme(meta: dict, benchmark: str, pair: str) -> str:
