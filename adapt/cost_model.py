@@ -307,7 +307,8 @@ class CostModel:
                 for r in rows:
                     self.draft_pass.nudge(r, resid, self.rate, now)
             return
-        resid = bounded_residual(step_ms, self.step_ms_at(num_tokens, rows))
+        predicted = self.step_ms_at(num_tokens, rows)
+        resid = bounded_residual(step_ms, predicted)
         if rows:
             # a drafting step: its residual is what drafting costs beyond the tables (acceptance
             # over the block, the drafter-context commit, features), spread over its passes
@@ -318,8 +319,7 @@ class CostModel:
         # measures one size only; raising that size's cost alone made a machine that slowed down
         # uniformly (a busy neighbour, a lower clock) look cheaper to draft on, since a wider
         # verify and the drafter pass kept their old prices while the plain step's rose
-        predicted = self.step_ms_at(num_tokens)
-        if predicted > 0.0:
+        if predicted > 0.0:  # the plain step's prediction: overhead and verify at its size
             factor = max(0.5, 1.0 + self.rate * resid / predicted)
             self.overhead_ms *= factor
             self.verify.scale(factor)

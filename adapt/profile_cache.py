@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 # Bump when what a stored profile means changes (what `profile_engine` times, the CostModel format).
 PROFILE_FORMAT = 1
-# CPU flags that change which kernels torch runs: AVX2 / AVX-512 vector units, native bf16 dot
-# products (avx512_bf16), Intel AMX tiles (amx_*), fp16 conversions.
 # Files of a model directory whose name, size and mtime make its digest.
 _MODEL_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf")
 PROFILE_REPEATS = 3  # timed sweeps of the coarse grid (`CostModel.profile`); the policy corrects online

@@ -30,7 +30,8 @@ import torch
 
 __all__ = ["CAPABILITY_FLAGS", "LIMITING_VARIABLES", "capability_label", "cpu_identity", "effective_capability"]
 
-# The CPU flags that decide which kernels torch and oneDNN can pick (what a key or a results file names).
+# CPU flags that change which kernels torch and oneDNN can run (what a key or a results file names):
+# AVX2 / AVX-512 vector units, native bf16 dot products (avx512_bf16), AMX tiles (amx_*), fp16 conversions.
 CAPABILITY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                     "amx_tile", "amx_bf16", "amx_int8")
 

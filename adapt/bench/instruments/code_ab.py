@@ -45,13 +45,17 @@ def run_out(command: list[str], run_dir: Path) -> Path:
     return run_dir / "ab.json" if command[:2] == ["bench", "ab"] else run_dir
 
 
+def result_file(command: list[str], run_dir: Path) -> Path:
+    """The JSON file a run's command leaves in ``run_dir``: ``ab.json`` or ``speed.json``."""
+    return run_dir / ("ab.json" if command[:2] == ["bench", "ab"] else "speed.json")
+
+
 def ratios_of(command: list[str], run_dir: Path) -> dict[str, float]:
     """The side-by-side ratios a run measured, by key (``batch=B`` or ``load=L:POLICY``)."""
+    data = json.loads(result_file(command, run_dir).read_text())
     if command[:2] == ["bench", "ab"]:
-        rows = json.loads((run_dir / "ab.json").read_text())
-        return {f"load={r['load']}:{r['policy']}": r["paired_ratio"] for r in rows if "paired_ratio" in r}
-    speed = json.loads((run_dir / "speed.json").read_text())
-    paired = speed["ratios"]["paired"]["adapt-policy/adapt-ar"]
+        return {f"load={r['load']}:{r['policy']}": r["paired_ratio"] for r in data if "paired_ratio" in r}
+    paired = data["ratios"]["paired"]["adapt-policy/adapt-ar"]
     return {f"batch={b}": v["median"] for b, v in paired.items()}
 
 
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
         env = dict(os.environ, PYTHONPATH=str(where))
         t0, commit = time.perf_counter(), commit_of(where)  # the commit the run starts from
         out = run_out(command, run_dir)
-        if args.resume and (out / "speed.json" if out == run_dir else out).is_file():
+        if args.resume and result_file(command, run_dir).is_file():
             print(f"[code-ab] run {n}/{len(order)}: {label}: read from {out}", flush=True)
         else:
             print(f"[code-ab] run {n}/{len(order)}: {label} ({commit})", flush=True)
