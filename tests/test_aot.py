@@ -48,6 +48,7 @@ def test_the_engine_builds_its_package_and_decodes_through_it(built):
     assert info["built"] and info["build_s"] > 0 and info["key"] in info["path"]
     assert info["path"].startswith(str(package_dir(cache)))
     assert not engine.pack  # verification is padded: the program runs it whole
+    assert engine.pack_prefill  # prefills run eagerly: packed (the greedy tests prefill unequal prompts together)
     pkg, draft, context = list_packages(cache)
     assert pkg["kind"] == "decode" and draft["kind"] == "draft" and context["kind"] == "context"
     assert pkg["cache_shape"][0] == 3 and pkg["tmax"] == engine.block + 1 and pkg["capture"] == list(engine.capture)

@@ -89,8 +89,10 @@ def test_a_compiled_engine_pads_and_compiles_its_steps(pair):
     """Built, not run (compiling takes minutes on 2 cores; tests/test_compiled.py decodes with it)."""
     engine = _engine(pair, compile="on")
     assert engine.backend.name == "compiled" and not engine.pack and engine.backend.needs_warm_up
+    assert engine.pack_prefill  # prefills run the eager forward on every backend: packed on a CPU
     assert isinstance(engine.target_forward, CompiledTarget)
     assert _engine(pair, compile="on", pack="on").pack  # an explicit pack setting wins over the default
+    assert not _engine(pair, compile="on", pack="off").pack_prefill
 
 
 def test_auto_without_a_package_is_eager_and_builds_nothing(pair, tmp_path, monkeypatch):
