@@ -404,7 +404,8 @@ def vllm_preload(python: str) -> list[str]:
 
 class VLLMRunner:
     """vLLM's CPU build in a subprocess (`vllm_runner.py`, run by vLLM's own Python), greedy,
-    in-process engine core, OpenMP bound to the cores this benchmark uses."""
+    in-process engine core, OpenMP bound to the cores this benchmark uses, prefix caching off (the
+    rounds repeat the same prompts, and our engine has no prefix cache)."""
 
     def __init__(self, name: str, label: str, python: str, target: Path, dtype: torch.dtype, threads: int,
                  max_batch: int, max_len: int, speculative: dict | None = None, kv_space_gb: int = 2):
@@ -428,7 +429,7 @@ class VLLMRunner:
             env["LD_PRELOAD"] = ":".join(self.preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
         config = {"model": str(self.target), "dtype": str(self.dtype).removeprefix("torch."),
                   "max_model_len": self.max_len, "max_num_seqs": self.max_batch, "seed": 0,
-                  "speculative_config": self.speculative}
+                  "speculative_config": self.speculative, "enable_prefix_caching": False}  # rounds repeat prompts
         self.proc = subprocess.Popen([self.python, str(VLLM_RUNNER), json.dumps(config)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
 
