@@ -286,10 +286,10 @@ class CostModel:
         return (steps[None, :] >= levels[:, None]).sum(1)
 
     # -- online correction ------------------------------------------------------------------------
-    def observe(self, num_tokens: float, rows_per_pass: Sequence[int], step_ms: float,
-                verify_ms: float | None = None, draft_ms: float | None = None) -> None:
+    def observe(self, num_tokens: float, rows_per_pass: Sequence[int], step_ms: float) -> None:
         """Move the tables toward one measured step (EMA with `rate`, each residual a
-        `bounded_residual`); plain Python, no tensors."""
+        `bounded_residual`); plain Python, no tensors. The step's whole time is the measurement:
+        its phases are not timed apart here (on a GPU the host's phase times are queueing times)."""
         if not np.isfinite(step_ms) or step_ms <= 0:
             return
         rows = [int(r) for r in (rows_per_pass.tolist() if hasattr(rows_per_pass, "tolist") else rows_per_pass)
@@ -299,19 +299,12 @@ class CostModel:
         if now % 16 == 0:  # forget stale rises (`STALE_STEPS`); every 16 steps is often enough
             self.verify.relax_stale(now)
             self.draft_pass.relax_stale(now)
-        if verify_ms is not None and np.isfinite(verify_ms):
-            self.verify.nudge(num_tokens, bounded_residual(verify_ms, self.verify.at(num_tokens)), self.rate, now)
-            if draft_ms is not None and np.isfinite(draft_ms) and rows:
-                # in whole-block units: the table holds whole-block passes
-                resid = bounded_residual(draft_ms, self.draft_ms_at(rows)) / len(rows) / self.span_scale()
-                for r in rows:
-                    self.draft_pass.nudge(r, resid, self.rate, now)
-            return
         predicted = self.step_ms_at(num_tokens, rows)
         resid = bounded_residual(step_ms, predicted)
         if rows:
             # a drafting step: its residual is what drafting costs beyond the tables (acceptance
-            # over the block, the drafter-context commit, features), spread over its passes
+            # over the block, the drafter-context commit, features), spread over its passes, in
+            # whole-block units (the table holds whole-block passes)
             for r in rows:
                 self.draft_pass.nudge(r, resid / len(rows) / self.span_scale(), self.rate, now)
             return

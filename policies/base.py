@@ -168,9 +168,8 @@ class Policy:
         if step_ms > 0:
             rate = float(emitted.sum()) / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
-        if self.online_cost and hasattr(self.cost, "observe"):
-            self.cost.observe(float(outcome.num_tokens), rows_per_pass(steps), self._table_ms(record, step_ms),
-                              getattr(outcome, "verify_ms", None), getattr(outcome, "draft_ms", None))
+        if self.online_cost:
+            self.cost.observe(float(outcome.num_tokens), rows_per_pass(steps), self._table_ms(record, step_ms))
         self.decision_s += time.thread_time() - t0
 
     def _table_ms(self, record, step_ms: float) -> float:

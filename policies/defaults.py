@@ -64,3 +64,6 @@ class LinearCost:
 
     def draft_ms_at(self, rows_per_pass) -> float:
         return float(self.draft_ms(torch.tensor(list(rows_per_pass), dtype=torch.float64)))
+
+    def observe(self, num_tokens: float, rows_per_pass, step_ms: float) -> None:
+        """A fixed price list: measured steps change nothing (`adapt.cost_model.CostModel` learns)."""
