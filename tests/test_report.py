@@ -15,6 +15,7 @@ import pytest
 
 from adapt.bench import report
 from adapt.cli import main
+from workers.cpu_capability import CAPABILITY_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,7 @@ def test_a_document_without_markers_is_refused(tmp_path):
 
 def test_machine_names_cpu_flags_and_cores():
     m = report.machine()
-    assert m["cpu"] and m["cores"] >= 1 and set(m["flags"]) <= set(report.CPU_FLAGS)
+    assert m["cpu"] and m["cores"] >= 1 and set(m["flags"]) <= set(CAPABILITY_FLAGS)
 
 
 def test_vllm_rows_become_a_row_against_the_faster_of_the_two(tmp_path):

@@ -32,9 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 START = "<!-- results:start -->"
 END = "<!-- results:end -->"
 # the CPU flags that decide which matmul paths run (bf16 natively, AMX tiles) on a CPU
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-
-
 @dataclass(frozen=True)
 class Headline:
     """One benchmark behind the README's table: ``adapt bench <benchmark> <args> --out <folder>``."""
@@ -65,11 +62,12 @@ def folder(results: Path, benchmark: str, pair: str) -> Path:
 
 
 def machine() -> dict:
-    """This machine as a results file names it: CPU model, the `CPU_FLAGS` it has, cores."""
+    """This machine as a results file names it: CPU model, the capability flags it has
+    (`workers.cpu_capability.CAPABILITY_FLAGS`, as the profile cache keys them), cores."""
     from workers.cpu_capability import cpu_identity
 
     cpu = cpu_identity()
-    return {"cpu": cpu["cpu"], "flags": [f for f in CPU_FLAGS if f in cpu["flags"]], "cores": os.cpu_count() or 1}
+    return {"cpu": cpu["cpu"], "flags": cpu["flags"], "cores": os.cpu_count() or 1}
 
 
 def commit() -> str:
@@ -85,7 +83,7 @@ def commit() -> str:
 def folder_readme(meta: dict, benchmark: str, pair: str) -> str:
     """The short README.md of one results folder, from its run.json."""
     m = meta["machine"]
-    flags = ", ".join(m["flags"]) or "none of " + ", ".join(CPU_FLAGS)
+    flags = ", ".join(m["flags"]) or "none of the capability flags"
     lines = [f"# `adapt bench {benchmark}`, {pair} pair", "",
              "The latest run of this benchmark on this pair; `adapt bench report` rewrites this folder.", "",
              f"- command: `{meta['command']}`",
