@@ -50,14 +50,18 @@ def _reason(best: str, scores: dict[str, dict[str, float]]) -> str:
 
 def choice_facts(target, drafter, compile_choice: str = "auto", max_batch: int = 1, max_len: int | None = None) -> dict:
     """The key of a stored choice for a command line's models and options (the profile key
-    without the dtype): machine, both models' digests, the --compile choice and the compiled
-    packages in the cache directory (which it may load), engine shape."""
+    without the dtype): machine, both models' digests, the --compile choice, engine shape and the
+    compiled packages in the cache directory built for `max_batch` rows (those the timing engines
+    may load; a package built for another batch size, say by a benchmark at 8 rows, leaves the
+    choice standing)."""
+    from pathlib import Path
+
     from adapt.profile_cache import machine_facts, model_digest
-    from workers.aot import package_dir
+    from workers.aot import list_packages
     from workers.engine import EngineConfig
 
-    folder = package_dir()
-    packages = sorted(p.name for p in folder.glob("*.pt2")) if compile_choice in ("auto", "aot") and folder.is_dir() else []
+    packages = sorted(Path(p["path"]).name for p in list_packages()
+                      if (p.get("cache_shape") or [None])[0] == int(max_batch)) if compile_choice in ("auto", "aot") else []
     return {"machine": machine_facts("cpu"), "target": model_digest(target), "drafter": model_digest(drafter),
             "compile": compile_choice, "packages": packages, "max_batch": int(max_batch),
             "max_len": int(max_len or EngineConfig.max_len)}

@@ -138,6 +138,28 @@ def test_the_dtype_choice_is_measured_once_then_read_back(pair, tmp_path):
     assert built == [choice["dtype"]] and again["cached"] and again["dtype"] == choice["dtype"]
 
 
+def test_the_dtype_choice_key_holds_only_packages_its_engines_may_load(pair, tmp_path, monkeypatch):
+    """A package built for another batch size (a benchmark's 8 rows) leaves the stored choice
+    standing; one built for the timing engines' single row is part of the key."""
+    from adapt.dtype_choice import choice_facts
+    from adapt.profile_cache import key_digest
+
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "aot"
+    folder.mkdir()
+
+    def package(name: str, rows: int) -> None:
+        (folder / f"{name}.pt2").write_bytes(b"")
+        (folder / f"{name}.json").write_text(json.dumps({"cache_shape": [rows, 1, 64, 4]}))
+
+    before = key_digest(choice_facts(*pair))
+    package("decode-8rows", 8)
+    assert key_digest(choice_facts(*pair)) == before
+    assert choice_facts(*pair, compile_choice="off")["packages"] == []
+    package("decode-1row", 1)
+    assert choice_facts(*pair)["packages"] == ["decode-1row.pt2"]
+
+
 def test_generate_reuses_the_stored_profile_and_reports_why(pair, tmp_path, capsys):
     from adapt.cli import main
 
