@@ -22,7 +22,7 @@ def test_a_process_is_timed_to_its_first_byte_and_its_exit():
 
 def test_the_adapt_stats_line_is_read():
     line = ("adapt: dtype bfloat16 (measured in 2.5 s): ...\nadapt: profiled in 4.1 s\n"
-            "[128 tokens, tau 1.41, 27 tok/s, tvd spent 0.000, eager steps, length]\n")
+            "[128 tokens, tau 1.41, 27 tok/s, tvd spent 0.000, decode steps: eager, length]\n")
     assert _stats_line(line) == {"tokens": 128, "tau": 1.41, "decode_tok_s": 27.0, "dtype_choice_s": 2.5,
                                  "profile_s": 4.1}
 

@@ -195,7 +195,7 @@ def _run(args) -> int:
     else:
         print()
         print(f"[{stats['tokens']} tokens, tau {stats['tau']:.2f}, {stats['tokens_per_s']:.0f} tok/s, "
-              f"tvd spent {stats['tvd_spent']:.3f}, {stats['decode_steps']} steps, {reason}]", file=sys.stderr)
+              f"tvd spent {stats['tvd_spent']:.3f}, decode steps: {stats['decode_steps']}, {reason}]", file=sys.stderr)
     return 0
 
 
