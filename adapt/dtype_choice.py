@@ -60,8 +60,10 @@ def choice_facts(target, drafter, compile_choice: str = "auto", max_batch: int =
     from workers.aot import list_packages
     from workers.engine import EngineConfig
 
-    packages = sorted(Path(p["path"]).name for p in list_packages()
-                      if (p.get("cache_shape") or [None])[0] == int(max_batch)) if compile_choice in ("auto", "aot") else []
+    packages = []
+    if compile_choice in ("auto", "aot"):  # the other choices load no package
+        packages = sorted(Path(p["path"]).name for p in list_packages()
+                          if (p.get("cache_shape") or [None])[0] == int(max_batch))
     return {"machine": machine_facts("cpu"), "target": model_digest(target), "drafter": model_digest(drafter),
             "compile": compile_choice, "packages": packages, "max_batch": int(max_batch),
             "max_len": int(max_len or EngineConfig.max_len)}

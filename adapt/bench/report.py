@@ -31,7 +31,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START = "<!-- results:start -->"
 END = "<!-- results:end -->"
-# the CPU flags that decide which matmul paths run (bf16 natively, AMX tiles) on a CPU
+
+
 @dataclass(frozen=True)
 class Headline:
     """One benchmark behind the README's table: ``adapt bench <benchmark> <args> --out <folder>``."""
