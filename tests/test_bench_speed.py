@@ -251,3 +251,42 @@ def test_dtype_auto_is_the_measured_choice_and_the_report_names_the_machine(tmp_
     assert set(choice["ms"]) == {"bfloat16", "float32"} and all(m["one"] > 0 for m in choice["ms"].values())
     assert rep["machine"]["cpu"] == json.loads(json.dumps(cpu_facts()))
     assert f"dtype auto: {choice['reason']}" in (out / "speed.md").read_text()
+
+
+def test_a_mixed_workload_is_reported_per_class(tmp_path):
+    """`--workload` with several prompt classes (mixed: chat, code, edit; longdoc-chat): every
+    row's rate and τ per class, from the groups whose prompts are all of that class, and the
+    adaptive policy per class against the fastest static row and over `adapt-ar` round by round."""
+    out = tmp_path / "out"
+    assert main(["bench", "speed", "--pair", "demo", "--workload", "mixed", "--dtype", "float32", "--batch-sizes", "1",
+                 "--num-prompts", "3", "--max-tokens", "4", "--rounds", "2", "--threads", "1",
+                 "--rows", "adapt-ar,adapt-policy,adapt-k2,hf", "--interleave", "--no-profile", "--out", str(out)]) == 0
+    rep = json.loads((out / "speed.json").read_text())
+    assert rep["config"]["prompt_classes"] == ["chat", "code", "edit"]
+    for e in rep["results"]:
+        assert set(e["per_class"]) == {"chat", "code", "edit"}, e["row"]
+        for v in e["per_class"].values():
+            assert len(v["tokens_per_s_samples"]) == 2 and v["tokens_per_s"] > 0 and v["tau"] >= 1.0
+    by_class = rep["ratios"]["per_class"]
+    assert set(by_class) == {"chat", "code", "edit"}
+    for cls, per_batch in by_class.items():
+        entry = per_batch["1"]
+        assert entry["best_static"] in ("adapt-ar", "adapt-k2") and entry["ratio"] > 0
+        assert len(entry["over_ar"]["rounds"]) == 2
+    assert "Per prompt class" in (out / "speed.md").read_text()
+
+
+def test_per_class_counts_only_groups_of_one_class():
+    """At batch 2 a group of a chat and a code prompt is no class's: only whole-class groups count,
+    and τ is tokens per sequence per pass, as for the whole run."""
+    from adapt.bench.speed import per_class
+    from adapt.bench.speed_runners import Run
+
+    classes = ["chat", "chat", "chat", "code", "code", "code"]
+    outputs = [[1] * 4] * 6
+    run = Run(24, 6.0, 9, 6, 3, outputs, group_seconds=[1.0, 2.0, 3.0], group_passes=[2, 3, 4])
+    got = per_class([run], classes, 2)
+    assert got["chat"] == {"tokens_per_s": 8.0, "tokens_per_s_samples": [8.0], "tau": 2.0}    # group 0: 8 tokens / 1 s
+    assert got["code"] == {"tokens_per_s": round(8 / 3, 2), "tokens_per_s_samples": [round(8 / 3, 2)], "tau": 1.0}
+    assert per_class([run], None, 2) is None
+    assert per_class([Run(24, 6.0, 9, 6, 3, outputs)], classes, 2) is None  # no per-group times (--refill)

@@ -396,11 +396,15 @@ def run(args) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     count = args.num_prompts or max(batch_sizes)
+    classes = None  # each prompt's class, where the workload mixes classes (mixed, longdoc-chat)
     if args.workload:  # adapt/bench/workloads.py, through the chat template
         from adapt.bench.workloads import make_workload
         from workers.chat import chat_prompt_ids
 
-        prompts = [chat_prompt_ids(tokenizer, w["messages"]) for w in make_workload(args.workload, count)]
+        items = make_workload(args.workload, count)
+        prompts = [chat_prompt_ids(tokenizer, w["messages"]) for w in items]
+        kinds = [w["workload"] for w in items]
+        classes = kinds if len(set(kinds)) > 1 else None
     elif args.prompts:
         prompts = file_prompts(tokenizer, args.prompts, count)
     else:
@@ -455,7 +459,7 @@ def run(args) -> int:
     order = list(runners)
     load_start = os.getloadavg()[0]
     context = dict(args=args, rows=rows, batch_sizes=batch_sizes, max_tokens=max_tokens, prompts=prompts,
-                   rounds=rounds, threads=threads, dtype=dtype, dtype_choice=dtype_choice, runners=runners, skipped=skipped,
+                   classes=classes, rounds=rounds, threads=threads, dtype=dtype, dtype_choice=dtype_choice, runners=runners, skipped=skipped,
                    pair_skips=pair_skips, load_start=load_start)
     for rnd in range(rounds):
         for b in batch_sizes:
@@ -517,6 +521,9 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             elif (name, b) in samples:
                 entry.update(summarize(samples[(name, b)], None if ref is None or name == "hf" else ref[-1].outputs,
                                        max_tokens))
+                by_class = per_class(samples[(name, b)], ctx.get("classes"), b)
+                if by_class:
+                    entry["per_class"] = by_class
                 if (name, b) in profiles:
                     p = profiles[(name, b)]
                     entry["step_ms"] = round(p["step_ms"], 4)
@@ -532,7 +539,7 @@ def write_report(ctx: dict, samples: dict, profiles: dict, rounds_done: int, fin
             # --dtype auto: the measured choice (adapt/dtype_choice.py) and the step timings it chose from
             "dtype_choice": ctx.get("dtype_choice"),
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "num_prompts": len(prompts),
-            "prompt_tokens": [len(p) for p in prompts],
+            "prompt_tokens": [len(p) for p in prompts], "prompt_classes": ctx.get("classes"),
             "prompts": (f"workload {args.workload}" if args.workload else "file " + str(args.prompts) if args.prompts
                         else "held-out stdlib"),
             "rounds": rounds_done, "threads": ctx["threads"], "max_groups": args.max_groups, "quick": args.quick,
@@ -587,6 +594,61 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
     paired = paired_ratios(results, batch_sizes)
     if paired:
         out["paired"] = paired
+    by_class = class_ratios(results, batch_sizes)
+    if by_class:
+        out["per_class"] = by_class
+    return out
+
+
+def per_class(samples: list, classes: list[str] | None, batch: int) -> dict | None:
+    """{class: {"tokens_per_s": median over rounds, "tokens_per_s_samples": [...], "tau": ...}}:
+    a row's rate on each prompt class of a mixed workload, from the groups whose prompts are all
+    of that class (every group at batch 1; a group mixing classes counts for none), or None
+    without classes or per-group times (`--refill`)."""
+    from adapt.bench.speed_runners import groups_of
+
+    if not classes or not samples or not all(s.group_seconds for s in samples):
+        return None
+    out = {}
+    for cls in dict.fromkeys(classes):
+        rates, tau = [], None
+        for s in samples:
+            groups = groups_of(list(range(len(s.outputs))), batch)
+            mine = [g for g, members in enumerate(groups) if all(classes[i] == cls for i in members)]
+            tokens = sum(len(s.outputs[i]) for g in mine for i in groups[g])
+            seconds = sum(s.group_seconds[g] for g in mine)
+            if tokens and seconds > 0:
+                rates.append(tokens / seconds)
+                if s.group_passes:  # τ as `Run.tau`: tokens per sequence per pass
+                    tau = tokens / sum(s.group_passes[g] * len(groups[g]) for g in mine)
+        if rates:
+            out[cls] = {"tokens_per_s": round(statistics.median(rates), 2),
+                        "tokens_per_s_samples": [round(r, 2) for r in rates],
+                        "tau": None if tau is None else round(tau, 4)}
+    return out or None
+
+
+def class_ratios(results: list[dict], batch_sizes: list[int]) -> dict:
+    """{class: {"1": {"best_static": row, "ratio": r, "over_ar": {"median": m, "rounds": [...]}}}}:
+    per prompt class (`per_class`), the adaptive policy over the fastest static row on that class,
+    and over autoregressive decoding round by round."""
+    out: dict = {}
+    for b in batch_sizes:
+        per = {e["row"]: e["per_class"] for e in results if e["batch"] == b and e.get("per_class")}
+        policy = per.get("adapt-policy", {})
+        for cls, mine in policy.items():
+            static = {row: pc[cls]["tokens_per_s"] for row, pc in per.items()
+                      if cls in pc and (row in STATIC_ROWS or static_row(row))}
+            entry = {}
+            if static:
+                best = max(static, key=static.get)
+                entry = {"best_static": best, "ratio": round(mine["tokens_per_s"] / static[best], 3)}
+            ar = per.get("adapt-ar", {}).get(cls)
+            if ar and len(ar["tokens_per_s_samples"]) == len(mine["tokens_per_s_samples"]):
+                rounds = [round(x / y, 3) for x, y in zip(mine["tokens_per_s_samples"], ar["tokens_per_s_samples"])]
+                entry["over_ar"] = {"median": round(statistics.median(rounds), 3), "rounds": rounds}
+            if entry:
+                out.setdefault(cls, {})[str(b)] = entry
     return out
 
 
@@ -651,6 +713,29 @@ def markdown(report: dict) -> str:
             for b, v in per_batch.items():
                 lines.append(f"| {label.get(key.split('/')[0], key)} | {b} | {v['median']:.3f}x | "
                              + ", ".join(f"{x:.3f}" for x in v["rounds"]) + " |")
+    classed = [e for e in report["results"] if e.get("per_class")]
+    if classed:
+        lines += ["", "Per prompt class (groups whose prompts are all of one class; every group at batch 1):", "",
+                  "| row | batch | class | tokens/s | τ | vs adapt AR |", "|---|---|---|---|---|---|"]
+        ar = {(e["batch"], c): v["tokens_per_s"] for e in classed if e["row"] == "adapt-ar" for c, v in e["per_class"].items()}
+        for e in classed:
+            for cls, v in e["per_class"].items():
+                base, tps = ar.get((e["batch"], cls)), v["tokens_per_s"]
+                lines.append(f"| {e['label']} | {e['batch']} | {cls} | {tps:,.1f} | "
+                             f"{v['tau'] if v['tau'] is not None else '–'} | {f'{tps / base:.2f}x' if base else '–'} |")
+        by_class = report.get("ratios", {}).get("per_class", {})
+        if by_class:
+            lines += ["", "Adaptive policy per class, against the fastest static row on that class and over "
+                      "autoregressive decoding (median of the per-round ratios; rounds):", ""]
+            for cls, per_batch in by_class.items():
+                for b, v in per_batch.items():
+                    parts = []
+                    if "best_static" in v:
+                        parts.append(f"{v['ratio']:.3f}x `{v['best_static']}`")
+                    if "over_ar" in v:
+                        parts.append(f"{v['over_ar']['median']:.3f}x `adapt-ar` ("
+                                     + ", ".join(f"{x:.3f}" for x in v["over_ar"]["rounds"]) + ")")
+                    lines.append(f"- {cls}, batch {b}: " + "; ".join(parts))
     lat = [e for e in report["results"] if e.get("request_s_mean") is not None]
     if lat:
         lines += ["", "Mean request latency, our engine's rows (a group's start to the request's last token; "

@@ -34,7 +34,10 @@ HF_LOOKUP_TOKENS = 8  # transformers' prompt_lookup_num_tokens
 @dataclass
 class Run:
     """One timed `generate`: `passes` = target forwards summed over groups (a group's pass
-    serves all its rows), so τ = tokens / (passes · rows per group)."""
+    serves all its rows), so τ = tokens / (passes · rows per group). `group_seconds`, `group_passes`:
+    each group's seconds and passes in prompt order (they sum to `seconds` and `passes`; empty
+    where a row keeps requests in flight instead of groups), so that a mix of prompt classes is
+    timed per class."""
 
     tokens: int
     seconds: float
@@ -43,6 +46,8 @@ class Run:
     groups: int
     outputs: list[list[int]]
     extra: dict = field(default_factory=dict)
+    group_seconds: list[float] = field(default_factory=list)
+    group_passes: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float | None:
@@ -247,6 +252,8 @@ class AdaptRunner:
             knobs = None if self.draft_len is None else DecodeKnobs(steps=self.steps, draft_len=self.draft_len)
         outputs: list[list[int]] = []
         passes, seconds, steps = 0, 0.0, 0
+        group_seconds: list[float] = []
+        group_passes: list[int] = []
         latencies: list[float] = []  # per request: its group's start (refill: its arrival) to its last token
         probe = PhaseProbe(eng) if profile else None
         numbered = list(enumerate(prompts))
@@ -282,13 +289,16 @@ class AdaptRunner:
                     yield
                     if turn:
                         clock.resume()
-                seconds += clock() - t
+                group_seconds.append(clock() - t)
+                seconds += group_seconds[-1]
                 if probe is not None:
                     probe.__exit__(None, None, None)
                 if turn:
                     clock.pause()
                 outputs.extend(got[i] for i in ids)
-                passes += steps if refill else max(stats[i]["target_passes"] for i in ids)
+                if not refill:
+                    group_passes.append(max(stats[i]["target_passes"] for i in ids))
+                passes += steps if refill else group_passes[-1]
         finally:
             eng.clock, eng.closed = engine_clock, False
             if probe is not None:
@@ -296,7 +306,8 @@ class AdaptRunner:
         extra = {}
         if probe is not None:
             extra = probe.report()
-        run = Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs, extra)
+        run = Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs, extra,
+                  [] if refill else group_seconds, group_passes)
         run.extra["tau_engine"] = self._engine_tau(outputs, stats)
         run.extra["request_s_mean"] = sum(latencies) / len(latencies) if latencies else None
         return run
@@ -346,7 +357,7 @@ class HFRunner:
                                    pad_token_id=self.pad, bos_token_id=None)
         extra = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if self.lookup else {}
         outputs: list[list[int]] = []
-        passes, seconds = 0, 0.0
+        group_passes, group_seconds = [], []
         for group in groups_of(prompts, batch):
             P = max(map(len, group))
             ids = torch.tensor([[self.pad] * (P - len(p)) + p for p in group])  # [b, P] left-padded
@@ -354,10 +365,11 @@ class HFRunner:
             self.calls = 0
             t = time.perf_counter()
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
-            seconds += time.perf_counter() - t
-            passes += self.calls
+            group_seconds.append(time.perf_counter() - t)
+            group_passes.append(self.calls)
             outputs.extend(out[:, P:].tolist())
-        return Run(sum(map(len, outputs)), seconds, passes, len(prompts), len(groups_of(prompts, batch)), outputs)
+        return Run(sum(map(len, outputs)), sum(group_seconds), sum(group_passes), len(prompts),
+                   len(groups_of(prompts, batch)), outputs, group_seconds=group_seconds, group_passes=group_passes)
 
     def close(self) -> None:
         self.model = None
@@ -456,7 +468,8 @@ class VLLMRunner:
         extra = {"vllm_spec": spec}
         if spec.get("drafts"):
             extra["vllm_mean_acceptance_length"] = 1 + spec["accepted_tokens"] / spec["drafts"]
-        return Run(r["tokens"], r["seconds"], r["steps"], len(prompts), r["groups"], r["outputs"], extra)
+        return Run(r["tokens"], r["seconds"], r["steps"], len(prompts), r["groups"], r["outputs"], extra,
+                   r["group_seconds"], r["group_steps"])
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

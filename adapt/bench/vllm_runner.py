@@ -17,10 +17,11 @@ every time. The runner loads the model and prints
 `{"prompts": [[token ids], ...], "batch": B, "max_tokens": N}`, and answers each with
 `@@RESULT {"tokens": ..., "seconds": ..., "steps": ..., "outputs": [[ids], ...], ...}`:
 the prompts run in groups of `B` (one `LLM.generate` call per group, all of the group batched),
-greedy, `ignore_eos`, and `seconds` is measured around the `generate` calls only. `steps` counts
-engine steps (one model forward each), so tokens per sequence per step is the τ that the other
-rows report. An empty line or end of input ends the runner. Only lines starting with `@@RESULT`
-belong to the protocol; vLLM's own logging may share stdout.
+greedy, `ignore_eos`, and `seconds` is measured around the `generate` calls only (`group_seconds`
+and `group_steps` hold each call's share). `steps` counts engine steps (one model forward each),
+so tokens per sequence per step is the τ that the other rows report. An empty line or end of
+input ends the runner. Only lines starting with `@@RESULT` belong to the protocol; vLLM's own
+logging may share stdout.
 """
 
 from __future__ import annotations
@@ -103,17 +104,21 @@ def main(argv: list[str]) -> int:
         before = spec_counters(llm)
         steps[0] = 0
         outputs: list[list[int]] = []
-        seconds = 0.0
+        group_seconds: list[float] = []
+        group_steps: list[int] = []
         for start in range(0, len(prompts), batch):
             group = [{"prompt_token_ids": ids} for ids in prompts[start : start + batch]]
             t = time.perf_counter()
             results = llm.generate(group, params, use_tqdm=False)
-            seconds += time.perf_counter() - t
+            group_seconds.append(time.perf_counter() - t)
+            group_steps.append(steps[0] - sum(group_steps))
             outputs.extend(list(r.outputs[0].token_ids) for r in results)
         after = spec_counters(llm)
         emit({
             "tokens": sum(len(o) for o in outputs),
-            "seconds": seconds,
+            "seconds": sum(group_seconds),
+            "group_seconds": group_seconds,
+            "group_steps": group_steps,
             "steps": steps[0],
             "groups": (len(prompts) + batch - 1) // batch,
             "spec": {k: after[k] - before[k] for k in after},
