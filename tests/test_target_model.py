@@ -46,6 +46,32 @@ def test_logits_match_transformers_over_ragged_cache(tmp_path, family):
         lengths = [L + c for L, c in zip(lengths, chunk)]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_long_prefill_from_position_zero_is_causal_without_a_mask(tmp_path, family):
+    """A prefill from position 0 of more than `FEW_QUERIES` tokens whose window is its own tokens
+    builds no mask (SDPA's `is_causal`): right-padded prompts of unequal lengths still give each
+    prompt transformers' logits, and the cache it leaves decodes on as transformers does."""
+    from workers.target_model import FEW_QUERIES
+
+    path = make_tiny_target(tmp_path / family, family=family, vocab=128, seed=4)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_target(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    lens = [FEW_QUERIES + 8, FEW_QUERIES + 1, FEW_QUERIES + 5]
+    P = max(lens)
+    seqs = [torch.randint(2, 128, (n + 2,), generator=gen) for n in lens]
+    ids = torch.stack([torch.cat([s[:n], torch.ones(P - n, dtype=torch.long)]) for s, n in zip(seqs, lens)])
+    cache = model.new_cache(max_batch=3, max_len=P + 8)
+    logits, _ = model(ids, torch.zeros(3, dtype=torch.long), cache, row0=0, width=P, start_value=0)
+    new = torch.stack([s[n : n + 2] for s, n in zip(seqs, lens)])                     # [3, 2]
+    after, _ = model(new, torch.tensor(lens), cache, row0=0, width=P + 2)
+    with torch.no_grad():
+        for r, (s, n) in enumerate(zip(seqs, lens)):
+            ref = hf(s[None, : n + 2]).logits[0]
+            torch.testing.assert_close(logits[r, :n], ref[:n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(after[r], ref[n:], atol=1e-4, rtol=1e-4)
+
+
 def test_unknown_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_target(tmp_path / "nope")
