@@ -51,22 +51,36 @@ def _reason(best: str, scores: dict[str, dict[str, float]]) -> str:
 def choice_facts(target, drafter, compile_choice: str = "auto", max_batch: int = 1, max_len: int | None = None) -> dict:
     """The key of a stored choice for a command line's models and options (the profile key
     without the dtype): machine, both models' digests, the --compile choice, engine shape and the
-    compiled packages in the cache directory built for `max_batch` rows (those the timing engines
-    may load; a package built for another batch size, say by a benchmark at 8 rows, leaves the
-    choice standing)."""
+    compiled packages in the cache directory built for the timing engines' cache shape (`max_batch`
+    rows of `timing_cache_length`: those they may load; a package of another shape, say a
+    benchmark's 8 rows or its longer prompts, leaves the choice standing)."""
     from pathlib import Path
 
     from adapt.profile_cache import machine_facts, model_digest
     from workers.aot import list_packages
     from workers.engine import EngineConfig
 
+    max_len = int(max_len or EngineConfig.max_len)
     packages = []
     if compile_choice in ("auto", "aot"):  # the other choices load no package
+        shape = [int(max_batch), timing_cache_length(drafter, max_len)]  # rows, positions
         packages = sorted(Path(p["path"]).name for p in list_packages()
-                          if (p.get("cache_shape") or [None])[0] == int(max_batch))
+                          if (p.get("cache_shape") or [None] * 3)[0:3:2] == shape)
     return {"machine": machine_facts("cpu"), "target": model_digest(target), "drafter": model_digest(drafter),
-            "compile": compile_choice, "packages": packages, "max_batch": int(max_batch),
-            "max_len": int(max_len or EngineConfig.max_len)}
+            "compile": compile_choice, "packages": packages, "max_batch": int(max_batch), "max_len": max_len}
+
+
+def timing_cache_length(drafter, max_len: int) -> int:
+    """Positions in the KV caches of an engine of these models and `max_len` (`Engine`: max_len,
+    its widest draft, one more): the drafter's block, or `SUFFIX_WIDTH` without a drafter."""
+    import json
+    from pathlib import Path
+
+    from workers.engine import SUFFIX_WIDTH
+
+    config = None if drafter is None else Path(drafter) / "config.json"
+    width = json.loads(config.read_text())["block_size"] if config is not None and config.is_file() else SUFFIX_WIDTH
+    return max_len + int(width) + 1
 
 
 def _choice_path(facts: dict, candidates: tuple[str, ...], cache_dir) -> tuple[dict, "os.PathLike"]:

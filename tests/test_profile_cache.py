@@ -139,24 +139,29 @@ def test_the_dtype_choice_is_measured_once_then_read_back(pair, tmp_path):
 
 
 def test_the_dtype_choice_key_holds_only_packages_its_engines_may_load(pair, tmp_path, monkeypatch):
-    """A package built for another batch size (a benchmark's 8 rows) leaves the stored choice
-    standing; one built for the timing engines' single row is part of the key."""
-    from adapt.dtype_choice import choice_facts
+    """A package built for another batch size (a benchmark's 8 rows) or another cache length (a
+    benchmark's long prompts) leaves the stored choice standing; one built for the timing engines'
+    shape (one row, the default length) is part of the key."""
+    from adapt.dtype_choice import choice_facts, timing_cache_length
     from adapt.profile_cache import key_digest
+    from workers.engine import EngineConfig
 
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
     folder = tmp_path / "aot"
     folder.mkdir()
+    length = _engine(pair, max_batch=1, max_len=EngineConfig.max_len).tcache.max_len  # a timing engine's cache
+    assert timing_cache_length(pair[1], EngineConfig.max_len) == length
 
-    def package(name: str, rows: int) -> None:
+    def package(name: str, rows: int, positions: int) -> None:
         (folder / f"{name}.pt2").write_bytes(b"")
-        (folder / f"{name}.json").write_text(json.dumps({"cache_shape": [rows, 1, 64, 4]}))
+        (folder / f"{name}.json").write_text(json.dumps({"cache_shape": [rows, 1, positions, 4]}))
 
     before = key_digest(choice_facts(*pair))
-    package("decode-8rows", 8)
+    package("decode-8rows", 8, length)
+    package("decode-long", 1, 2 * length)
     assert key_digest(choice_facts(*pair)) == before
     assert choice_facts(*pair, compile_choice="off")["packages"] == []
-    package("decode-1row", 1)
+    package("decode-1row", 1, length)
     assert choice_facts(*pair)["packages"] == ["decode-1row.pt2"]
 
 
