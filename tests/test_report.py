@@ -35,7 +35,7 @@ def test_table_equals_the_render_of_results(doc, base):
 def test_every_headline_has_its_files_and_rows():
     rendered = report.render_table(ROOT / "results")
     for h in report.HEADLINES:
-        out = report.folder(ROOT / "results", h.benchmark, "smollm2")
+        out = report.folder(ROOT / "results", h.name, "smollm2")
         meta = json.loads((out / "run.json").read_text(encoding="utf-8"))
         assert meta["command"].startswith(f"adapt bench {h.benchmark} ")
         assert meta["commit"] and meta["date"] and meta["machine"]["cores"] >= 1
@@ -91,3 +91,30 @@ def test_vllm_rows_become_a_row_against_the_faster_of_the_two(tmp_path):
     rows = [r for r in report._speed_rows(out) if "against vLLM" in r[0]]
     assert len(rows) == 1 and "batch 1" in rows[0][0]
     assert rows[0][1].startswith("**1.60×**") and "`vllm-ngram` here" in rows[0][2]
+
+
+def test_a_mix_of_prompt_classes_becomes_a_row_per_class(tmp_path):
+    """A speed run over a mix of prompt classes (`--workload longdoc-chat`) is reported per class:
+    the adaptive policy against the fastest static row on that class, over `adapt-ar`, and vLLM's
+    rates on the same prompts."""
+    def row(name, per_class):
+        return {"row": name, "batch": 1, "tokens_per_s": 1.0, "tau": 1.0, "per_class": {
+            cls: {"tokens_per_s": r, "tokens_per_s_samples": [r], "tau": t} for cls, (r, t) in per_class.items()}}
+
+    speed = {"config": {"prompts": "workload longdoc-chat", "compile": "aot", "batch_sizes": [1], "num_prompts": 4,
+                        "max_tokens": 128, "interleave": True, "prompt_classes": ["longdoc", "chat"] * 2},
+             "results": [row("adapt-ar", {"longdoc": (30.0, 1.0), "chat": (50.0, 1.0)}),
+                         row("adapt-suffix", {"longdoc": (40.0, 1.6), "chat": (60.0, 1.4)}),
+                         row("adapt-policy", {"longdoc": (39.0, 1.7), "chat": (75.0, 1.9)}),
+                         row("vllm", {"longdoc": (31.0, 1.0), "chat": (52.0, 1.0)})]}
+    from adapt.bench.speed import class_ratios
+
+    speed["ratios"] = {"per_class": class_ratios(speed["results"], [1])}
+    (tmp_path / "speed.json").write_text(json.dumps(speed), encoding="utf-8")
+    rows = report._speed_rows(tmp_path)
+    assert [what.split(", ")[3] for what, _, _ in rows] == ["longdoc class: 2 of 4 prompts (workload longdoc-chat) × 128 tokens",
+                                                            "chat class: 2 of 4 prompts (workload longdoc-chat) × 128 tokens"]
+    (longdoc, n1, against1), (_, n2, _) = rows
+    assert n1.startswith("**0.975×**; 39.0 against 40.0 tok/s, τ 1.70 against 1.60; 1.30× `adapt-ar` (rounds 1.300)")
+    assert n1.endswith("; vllm 31.0 tok/s") and "`adapt-suffix` of `adapt-ar`, `adapt-suffix`" in against1
+    assert n2.startswith("**1.25×**")

@@ -35,11 +35,19 @@ END = "<!-- results:end -->"
 
 @dataclass(frozen=True)
 class Headline:
-    """One benchmark behind the README's table: ``adapt bench <benchmark> <args> --out <folder>``."""
+    """One benchmark behind the README's table: ``adapt bench <benchmark> <args> --out <folder>``,
+    the folder ``results/<name>/<pair>/`` (`name`: the benchmark's, unless one benchmark has two
+    headlines)."""
 
     benchmark: str  # "speed" | "policies"
     args: tuple[str, ...]  # without --pair and --out (the report adds them)
     quick_args: tuple[str, ...]  # used instead of `args` by --quick (a smoke run: minutes on the demo pair)
+    folder_name: str = ""
+
+    @property
+    def name(self) -> str:
+        """The headline's results folder and its `--only` name."""
+        return self.folder_name or self.benchmark
 
 
 HEADLINES = (
@@ -49,6 +57,16 @@ HEADLINES = (
               "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
              ("--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--rows", "adapt-ar,adapt-policy",
               "--threads", "2", "--rounds", "1", "--interleave", "--compile", "off", "--no-profile")),
+    # long documents to summarise and short chat in turns (vLLM #52258: drafts are accepted least on
+    # long contexts), each class against the static configurations and vLLM
+    Headline("speed",
+             ("--workload", "longdoc-chat", "--batch-sizes", "1", "--num-prompts", "8",
+              "--rows", "adapt-ar,adapt-policy,adapt-suffix,adapt-k4,vllm,vllm-ngram",
+              "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
+             ("--workload", "mixed", "--batch-sizes", "1", "--num-prompts", "3", "--max-tokens", "8",
+              "--rows", "adapt-ar,adapt-policy,adapt-k4", "--threads", "2", "--rounds", "1", "--interleave",
+              "--compile", "off", "--no-profile"),
+             folder_name="speed-longdoc"),
     Headline("policies",
              ("--quick", "--workload", "mixed", "--live-loads", "1,8", "--rounds", "3", "--interleave", "--instances",
               "--seed", "0"),
@@ -107,7 +125,7 @@ def run_headline(h: Headline, pair: str, results: Path, quick: bool) -> dict:
     """Run one headline benchmark in this process and write its run.json and README.md; returns the meta."""
     from adapt.cli import build_parser
 
-    out = folder(results, h.benchmark, pair)
+    out = folder(results, h.name, pair)
     argv = ["bench", h.benchmark, "--pair", pair, *(h.quick_args if quick else h.args), "--out", str(out)]
     args = build_parser().parse_args(argv)
     code_commit = commit()  # before the run: the run rewrites tracked results files
@@ -143,6 +161,8 @@ def _speed_rows(out: Path) -> list[tuple[str, str, str]]:
     plain = report.get("ratios", {}).get("adapt-policy/adapt-ar", {})
     prompts = Path(str(cfg.get("prompts", "prompts"))).name if "file" in str(cfg.get("prompts")) else cfg.get("prompts")
     steps = {"aot": "compiled packages", "off": "eager steps"}.get(cfg.get("compile"), f"compile {cfg.get('compile')}")
+    if report.get("ratios", {}).get("per_class"):  # a mix of prompt classes: a row per class
+        return _class_rows(report, prompts, steps)
     rows = []
     for b in cfg["batch_sizes"]:
         ours, ar = by.get(("adapt-policy", b)), by.get(("adapt-ar", b))
@@ -171,6 +191,39 @@ def _speed_rows(out: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _class_rows(report: dict, prompts: str, steps: str) -> list[tuple[str, str, str]]:
+    """(what, number, against) per prompt class and batch size of a speed run over a mix of classes
+    (`ratios.per_class`): the adaptive policy against the fastest static row on that class, over
+    autoregressive decoding round by round, and beside vLLM's rows on the same prompts."""
+    cfg = report["config"]
+    classes = cfg.get("prompt_classes") or []
+    rates = {(r["row"], r["batch"]): r.get("per_class", {}) for r in report["results"]}
+    rows = []
+    for cls, per_batch in report["ratios"]["per_class"].items():
+        for b, v in per_batch.items():
+            ours = rates.get(("adapt-policy", int(b)), {}).get(cls)
+            if ours is None or "best_static" not in v:
+                continue
+            best = rates[(v["best_static"], int(b))][cls]
+            number = (f"**{_ratio(v['ratio'])}**; {ours['tokens_per_s']:.1f} against {best['tokens_per_s']:.1f} tok/s, "
+                      f"τ {ours['tau']:.2f} against {best['tau']:.2f}")
+            if "over_ar" in v:
+                number += (f"; {_ratio(v['over_ar']['median'])} `adapt-ar` (rounds "
+                           + ", ".join(f"{x:.3f}" for x in v["over_ar"]["rounds"]) + ")")
+            theirs = [f"{name} {rates[(name, int(b))][cls]['tokens_per_s']:.1f}" for name in ("vllm", "vllm-ngram")
+                      if cls in rates.get((name, int(b)), {})]
+            if theirs:
+                number += "; " + ", ".join(theirs) + " tok/s"
+            statics = [r for (r, bb), pc in rates.items() if bb == int(b) and cls in pc and r != "adapt-policy"
+                       and not r.startswith("vllm")]
+            what = (f"speed, adaptive policy, batch {b}, {cls} class: {classes.count(cls)} of {cfg['num_prompts']} "
+                    f"prompts ({prompts}) × {cfg['max_tokens']} tokens, greedy, {steps}")
+            rows.append((what, number, f"the fastest static configuration on that class (`{v['best_static']}` of "
+                         + ", ".join(f"`{r}`" for r in statics) + ")"
+                         + (", interleaved step by step" if cfg.get("interleave") else "")))
+    return rows
+
+
 def _policies_rows(out: Path) -> list[tuple[str, str, str]]:
     """(what, number, against) per live load of a policies run: adaptive goodput over the best static policy."""
     rows = json.loads((out / "policies.json").read_text(encoding="utf-8"))
@@ -196,11 +249,11 @@ def render_table(results: Path, pair: str = "smollm2", base: str = "") -> str:
     lines = ["| what | number | against | results |", "|---|---|---|---|"]
     notes = []
     for h in HEADLINES:
-        out = folder(results, h.benchmark, pair)
+        out = folder(results, h.name, pair)
         if not (out / "run.json").is_file():
             continue
         meta = json.loads((out / "run.json").read_text(encoding="utf-8"))
-        rel = f"results/{h.benchmark}/{pair}/"
+        rel = f"results/{h.name}/{pair}/"
         for what, number, against in RENDERERS[h.benchmark](out):
             lines.append(f"| {what} | {number} | {against} | [`{rel}`]({base}{rel}) |")
         m = meta["machine"]
@@ -233,7 +286,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--render-only", action="store_true",
                    help="only rewrite the tables from the current results files (no benchmarking)")
     p.add_argument("--quick", action="store_true", help="a smoke run of every headline benchmark (numbers are rough)")
-    p.add_argument("--only", default="", help="comma-separated benchmarks to rerun (default: all of speed,policies)")
+    p.add_argument("--only", default="",
+                   help="comma-separated headlines to rerun (default: all of " + ",".join(h.name for h in HEADLINES) + ")")
     p.add_argument("--results", type=Path, default=REPO_ROOT / "results", help="results root (default results/)")
     p.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README whose table is rewritten")
     p.add_argument("--docs", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md",
@@ -245,12 +299,12 @@ def run(args) -> int:
     if not args.render_only:
         os.chdir(REPO_ROOT)  # the headline arguments name files relative to the repository
         only = {s for s in args.only.split(",") if s}
-        unknown = only - {h.benchmark for h in HEADLINES}
+        unknown = only - {h.name for h in HEADLINES}
         if unknown:
             raise SystemExit(f"adapt bench report: --only: unknown benchmark(s) {sorted(unknown)}")
         for h in HEADLINES:
-            if not only or h.benchmark in only:
+            if not only or h.name in only:
                 meta = run_headline(h, args.pair, args.results, args.quick)
-                print(f"{h.benchmark}: {meta['duration_s'] / 60:.1f} min -> {folder(args.results, h.benchmark, args.pair)}")
+                print(f"{h.name}: {meta['duration_s'] / 60:.1f} min -> {folder(args.results, h.name, args.pair)}")
     rewrite_docs(args.results, args.pair, [(args.readme, ""), (args.docs, "../")])
     return 0

@@ -54,6 +54,11 @@ group the slowest row sets the time, so tokens that other rows win early do not 
 (`adapt.replay.spread_length`, mean `--max-tokens`; our rows only), as answers that end at EOS
 differ in length; with equal lengths autoregressive rows finish in lockstep.
 
+A workload that mixes prompt classes (`mixed`: chat, code, edit; `longdoc-chat`: long documents
+and chat in turns) is also reported **per class**: each row's tokens/s and τ over the groups whose
+prompts are all of one class (every group at batch 1), and the adaptive policy per class against
+the fastest static row on that class and over `adapt-ar` round by round (`ratios.per_class`).
+
 Writes OUT/speed.json, OUT/speed.png (bars: tokens/s per row and batch size) and OUT/speed.md
 (the result table that docs/benchmarks.md quotes).
 """
