@@ -1,7 +1,7 @@
 """`adapt bench report`: rerun the benchmarks behind the README's results table, rewrite their results
 files, and rewrite that table (in README.md and docs/benchmarks.md) from those files.
 
-    adapt bench report                  # ~15-20 min on 2 cores (SmolLM2; + ~5 min once to build packages)
+    adapt bench report                  # ~30 min on 2 cores (SmolLM2; + ~10 min once to build packages)
     adapt bench report --render-only    # only rewrite the tables from the current results files
     adapt bench report --quick --pair demo --results /tmp/r --readme /tmp/README.md --docs /tmp/b.md
 
