@@ -764,3 +764,33 @@ def test_adaptive_acceptance_corrections_skip_pinned_rows():
     assert learn([False, False]) == (1, 4.0, 1, 2.0)
     assert learn([True, False]) == (0, 0.0, 1, 2.0)   # the copy was pinned: nothing learned of it
     assert learn([False, True]) == (1, 4.0, 0, 0.0)   # the diffusion draft was pinned
+
+
+def test_step_costs_are_learned_per_context_bucket():
+    """What steps take beyond the cost tables is kept per context bucket of the batch's longest
+    row: residuals learned over ~1,800-token documents do not price a short chat request's drafts
+    (its bucket starts without evidence, so drafting is tried), and come back when a long row does.
+    With ``cost_by_context=False`` one set serves every context."""
+    import dataclasses
+
+    from policies.adaptive.calibration import StepCosts, context_bucket
+
+    assert [context_bucket(n) for n in (0, 300, 512, 513, 1800, 2048, 2049)] == [512, 512, 512, 1024, 2048, 2048, 4096]
+    costs = StepCosts()
+    costs.use_context(1800)
+    costs.step_residual.update({("draft", 1): 15.0, ("plain", 1): 4.0})
+    costs.plain_ms = 20.0
+    assert costs.draft_overhead_at(1, "diffusion", True, True, None) == 11.0
+    costs.use_context(300)
+    assert costs.step_residual == {} and costs.plain_ms is None and costs.context == 512
+    assert costs.draft_overhead_at(1, "diffusion", True, True, None) == 0.0
+    costs.use_context(1900)
+    assert costs.draft_overhead_at(1, "diffusion", True, True, None) == 11.0 and costs.plain_ms == 20.0
+
+    rows = make_rows(1, 16)
+    for by_context in (True, False):
+        p = policies.get("adaptive", hold_max=0, online_cost=False, cost_by_context=by_context)
+        p.costs.step_residual[("draft", 1)] = 9.0
+        long = dataclasses.replace(rows, position=torch.full((1,), 1800))
+        p.before_draft(long)
+        assert (("draft", 1) in p.costs.step_residual) is not by_context

@@ -34,6 +34,11 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(int(batch) - 1, 0).bit_length()
 
 
+def context_bucket(length: int) -> int:
+    """The power-of-two bucket of a batch's longest context: 512 (up to 512 tokens), 1024, 2048 ..."""
+    return max(512, 1 << max(int(length) - 1, 0).bit_length())
+
+
 def verified_drafts(outcome) -> bool:
     """Whether some row verified drafts in the step of `outcome` (it took the drafting path): the
     engine's host answer where the outcome carries it (``any_verified``), else read from the tensor."""
@@ -151,19 +156,37 @@ class StepCosts:
       and of steps that kept the plan ("plan"); the tables miss what grows with context length
       and rows (measured on SmolLM2 with 400–800-token edit prompts: widened 8-row steps took
       ~1.35x the table's time), so the choice scales its predictions by them.
-    """
+
+    The residuals and ``plain_ms`` are kept per **context bucket** (`context_bucket` of the
+    batch's longest row; `use_context` switches): the tables are profiled over short contexts,
+    and what a step takes beyond them grows with the context (attention over the cache). With one
+    set for every context, ~1,800-token documents to summarise taught residuals (in a probe at
+    one thread, drafting steps ~15 ms over the tables, plain ones ~4 ms) that then priced
+    diffusion drafts out of every chat request after them: those drafted on no step (τ 1.38–1.71
+    against 2.46–2.84 with a set per bucket; `--workload longdoc-chat`, docs/benchmarks.md)."""
 
     def __init__(self):
         self.step_residual: dict[tuple[str, int], float] = {}
         self.recent: dict[tuple[str, int], list[float]] = {}  # key -> its last 3 raw residuals
         self.seen: dict[tuple[str, int], int] = {}  # key -> `observed` when last updated (or halved)
+        self.plain_ms: float | None = None
+        self.context = context_bucket(0)  # the context bucket the four above belong to
+        self._by_context: dict[int, tuple] = {}  # the other buckets' (step_residual, recent, seen, plain_ms)
         self.observed = 0  # steps observed
         self.batch = 1  # rows of the latest step observed
-        self.plain_ms: float | None = None
         self.suffix_cost_ratio = {"wide": 1.0, "plan": 1.0}
         # per (plan | wide, batch bucket): [steps, Σ predicted ms, Σ measured ms] of suffix choices
         self.suffix_calibration: dict[tuple[str, int], list[float]] = {}
         self._source_of = None  # (outcome, its `step_source`) of the latest step asked about
+
+    def use_context(self, length: int) -> None:
+        """Price and learn in the bucket of a batch whose longest row holds ``length`` tokens."""
+        bucket = context_bucket(length)
+        if bucket == self.context:
+            return
+        self._by_context[self.context] = (self.step_residual, self.recent, self.seen, self.plain_ms)
+        self.step_residual, self.recent, self.seen, self.plain_ms = self._by_context.pop(bucket, ({}, {}, {}, None))
+        self.context = bucket
 
     def plain_step_ms(self, B: int, cost) -> float:
         """A plain step of ``B`` rows: as measured (`plain_ms`, while the latest step had ``B``

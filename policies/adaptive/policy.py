@@ -113,7 +113,14 @@ class AdaptivePolicy(Policy):
         """The engine computes suffix drafts for this policy's next step: not while it holds."""
         return self.use_suffix and self.cadence.left == 0
 
+    def _use_context(self, rows) -> None:
+        """The step costs' context bucket for ``rows`` (their longest row's length)."""
+        position = getattr(rows, "position", None)
+        if self.cost_by_context and position is not None and len(position):
+            self.costs.use_context(int(position.max()))
+
     def before_draft(self, rows):
+        self._use_context(rows)
         if self.cadence.holds(rows, self.hold_joins_rows):
             t0 = time.thread_time()
             self.cadence.held()
@@ -217,6 +224,7 @@ class AdaptivePolicy(Policy):
 
     def observe(self, record) -> None:
         rows, outcome, steps = record.rows, record.outcome, record.intent.steps
+        self._use_context(rows)
         predicted = None  # this step's cost as predicted before `super().observe` nudges the tables
         if self.online_cost:
             predicted = self.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(steps))
