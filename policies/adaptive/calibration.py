@@ -160,10 +160,11 @@ class StepCosts:
     The residuals and ``plain_ms`` are kept per **context bucket** (`context_bucket` of the
     batch's longest row; `use_context` switches): the tables are profiled over short contexts,
     and what a step takes beyond them grows with the context (attention over the cache). With one
-    set for every context, ~1,800-token documents to summarise taught residuals (in a probe at
-    one thread, drafting steps ~15 ms over the tables, plain ones ~4 ms) that then priced
-    diffusion drafts out of every chat request after them: those drafted on no step (τ 1.38–1.71
-    against 2.46–2.84 with a set per bucket; `--workload longdoc-chat`, docs/benchmarks.md)."""
+    set for every context, ~1,800-token documents to summarise taught residuals (drafting steps
+    ~15 ms over the tables, plain ones ~4 ms, in a probe) that then priced diffusion drafts for
+    the chat requests after them; per bucket, chat in that mix measured 1.146x (`--workload
+    longdoc-chat`, docs/benchmarks.md). The cost tables' own online correction (`CostModel.observe`)
+    is still one for every context."""
 
     def __init__(self):
         self.step_residual: dict[tuple[str, int], float] = {}
