@@ -195,6 +195,8 @@ def _class_rows(report: dict, prompts: str, steps: str) -> list[tuple[str, str, 
     """(what, number, against) per prompt class and batch size of a speed run over a mix of classes
     (`ratios.per_class`): the adaptive policy against the fastest static row on that class, over
     autoregressive decoding round by round, and beside vLLM's rows on the same prompts."""
+    from adapt.bench.speed import is_static
+
     cfg = report["config"]
     classes = cfg.get("prompt_classes") or []
     rates = {(r["row"], r["batch"]): r.get("per_class", {}) for r in report["results"]}
@@ -214,8 +216,7 @@ def _class_rows(report: dict, prompts: str, steps: str) -> list[tuple[str, str, 
                       if cls in rates.get((name, int(b)), {})]
             if theirs:
                 number += "; " + ", ".join(theirs) + " tok/s"
-            statics = [r for (r, bb), pc in rates.items() if bb == int(b) and cls in pc and r != "adapt-policy"
-                       and not r.startswith("vllm")]
+            statics = [r for (r, bb), pc in rates.items() if bb == int(b) and cls in pc and is_static(r)]
             what = (f"speed, adaptive policy, batch {b}, {cls} class: {classes.count(cls)} of {cfg['num_prompts']} "
                     f"prompts ({prompts}) × {cfg['max_tokens']} tokens, greedy, {steps}")
             rows.append((what, number, f"the fastest static configuration on that class (`{v['best_static']}` of "

@@ -163,6 +163,11 @@ def static_row(name: str) -> tuple[int, int] | None:
     return None if m is None else (int(m.group(1)), int(m.group(2) or 1))
 
 
+def is_static(name: str) -> bool:
+    """Whether a row's decisions are fixed for every request and pass (`STATIC_ROWS`, `adapt-kN`)."""
+    return name in STATIC_ROWS or static_row(name) is not None
+
+
 def policy_variant(name: str) -> dict | None:
     """The adaptive policy's settings of an `adapt-policy@KEY=VALUE[+KEY=VALUE]` row name (values
     JSON, else plain strings), else None. Raises ValueError for a malformed item."""
@@ -590,7 +595,7 @@ def ratios(results: list[dict], batch_sizes: list[int]) -> dict:
     # the honest reference: the fastest static configuration measured, autoregressive included
     best = {}
     for b in batch_sizes:
-        static = {r: v for (r, bb), v in rate.items() if bb == b and v and (r in STATIC_ROWS or static_row(r))}
+        static = {r: v for (r, bb), v in rate.items() if bb == b and v and is_static(r)}
         if static and rate.get(("adapt-policy", b)):
             name = max(static, key=static.get)
             best[str(b)] = {"best_static": name, "ratio": round(rate[("adapt-policy", b)] / static[name], 3)}
@@ -642,8 +647,7 @@ def class_ratios(results: list[dict], batch_sizes: list[int]) -> dict:
         per = {e["row"]: e["per_class"] for e in results if e["batch"] == b and e.get("per_class")}
         policy = per.get("adapt-policy", {})
         for cls, mine in policy.items():
-            static = {row: pc[cls]["tokens_per_s"] for row, pc in per.items()
-                      if cls in pc and (row in STATIC_ROWS or static_row(row))}
+            static = {row: pc[cls]["tokens_per_s"] for row, pc in per.items() if cls in pc and is_static(row)}
             entry = {}
             if static:
                 best = max(static, key=static.get)
