@@ -794,28 +794,3 @@ def test_step_costs_are_learned_per_context_bucket():
         long = dataclasses.replace(rows, position=torch.full((1,), 1800))
         p.before_draft(long)
         assert (("draft", 1) in p.costs.step_residual) is not by_context
-
-
-def test_cost_tables_are_corrected_per_context_bucket():
-    """With ``tables_by_context`` each context bucket corrects its own copy of the cost tables:
-    plain steps of a ~1,800-token row that take far longer than the profiled tables say raise
-    that bucket's tables only; a short row is priced from the tables as profiled, and the long
-    bucket's corrections come back with the next long row. Off, one copy serves every context."""
-    import dataclasses
-
-    from adapt.cost_model import CostModel
-
-    short = make_rows(1, 16)
-    long = dataclasses.replace(short, position=torch.full((1,), 1800))
-    profiled = CostModel().verify.at(1.0)
-    for by_bucket in (True, False):
-        p = policies.get("adaptive", hold_max=0, cost=CostModel(), tables_by_context=by_bucket)
-        for _ in range(20):  # plain steps at 3x the table's one-token step
-            observe(p, long, [0], StepOutcome(torch.tensor([0]), torch.tensor([0]), torch.zeros(1),
-                                              3 * profiled / 1e3, 1))
-        raised = p.cost.verify.at(1.0)
-        assert raised > 1.5 * profiled
-        p.before_draft(short)
-        assert p.cost.verify.at(1.0) == (profiled if by_bucket else raised)
-        p.before_draft(long)
-        assert p.cost.verify.at(1.0) == raised

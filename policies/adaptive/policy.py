@@ -11,7 +11,6 @@ plain decisions may be held for a few steps (`cadence`). What a step decided is 
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import replace
 
@@ -46,8 +45,6 @@ class AdaptivePolicy(Policy):
         self._plan: Plan | None = None  # kept for `replan_every` steps while the batch is the same
         self.cadence = Cadence()
         self.costs = StepCosts()
-        self._profiled = copy.deepcopy(self.cost)  # the cost tables as given: each context bucket starts from them
-        self._tables: dict[int, object] = {}  # the other context buckets' corrected tables (`tables_by_context`)
         self.suffix = SuffixAcceptance()
         self.diffusion = DiffusionAcceptance()
         self.typical_span: float | None = None  # EMA of the spans answered: what drafting costs now
@@ -69,8 +66,6 @@ class AdaptivePolicy(Policy):
             self.settings = check_settings({**self.settings.model_dump(), **own})
             self._apply(self.settings)
         super().update(predictor, cost, **settings)
-        if cost is not None:
-            self._profiled, self._tables = copy.deepcopy(cost), {}
 
     @property
     def sla_clock(self) -> str:
@@ -119,16 +114,10 @@ class AdaptivePolicy(Policy):
         return self.use_suffix and self.cadence.left == 0
 
     def _use_context(self, rows) -> None:
-        """The step costs' context bucket for ``rows`` (their longest row's length), and with
-        ``tables_by_context`` that bucket's copy of the cost tables (a bucket seen first starts
-        from the tables as profiled)."""
+        """The step costs' context bucket for ``rows`` (their longest row's length)."""
         position = getattr(rows, "position", None)
         if self.cost_by_context and position is not None and len(position):
-            before = self.costs.context
             self.costs.use_context(int(position.max()))
-            if self.tables_by_context and self.costs.context != before:
-                self._tables[before] = self.cost
-                self.cost = self._tables.pop(self.costs.context, None) or copy.deepcopy(self._profiled)
 
     def before_draft(self, rows):
         self._use_context(rows)
