@@ -231,6 +231,28 @@ def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):
     assert a["a"] == b["a"]
 
 
+def test_a_process_that_exits_without_cleanup_leaves_no_extracted_package(built, tmp_path):
+    """torch's loader extracts a package under $TMPDIR and removes the copy only when the loader
+    is destroyed; `load_package` removes it right after loading, so a process that ends with
+    ``os._exit`` (as a stopped Ray worker does) leaves nothing behind, and the runner it loaded
+    still computes (every test here decodes through packages loaded the same way). Before
+    `test_adapt_compile_builds_lists_and_clears`, which removes the packages."""
+    import os
+    import subprocess
+    import sys
+
+    _, _, cache, engine = built
+    script = ("import os, sys, torch\n"
+              "from workers.package_loader import load_package\n"
+              "runner = load_package(sys.argv[1])\n"
+              "os._exit(0)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script, engine.backend.info["context"]["path"]], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("aotinductor_", "adapt-package-"))]
+
+
 def test_without_a_package_auto_decodes_eagerly_and_builds_nothing(built, monkeypatch):
     target, drafter, cache, _ = built
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
@@ -419,3 +441,4 @@ def test_the_phase_probe_counts_subset_passes_too(built):
         d.subset_rows = saved
     assert [got["sub0"], got["sub1"]] == want
     assert probe.calls["draft_package"] == d.program.calls - before > 0
+

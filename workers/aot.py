@@ -48,6 +48,7 @@ from torch import nn
 
 from workers.atomic_file import write_text_atomic
 from workers.cpu_capability import capability_label
+from workers.package_loader import load_package
 from workers.pull import cache_root
 
 PACKAGE_FORMAT = 1
@@ -466,7 +467,7 @@ def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: 
         info["built"] = True
         write_text_atomic(folder / f"{prefix}-{key}.json", json.dumps({**facts, "built_s": info["build_s"]}, indent=1))
     t0 = time.perf_counter()
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = load_package(path)
     info["load_s"] = round(time.perf_counter() - t0, 2)
     return runner, info
 
