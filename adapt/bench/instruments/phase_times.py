@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per policy, live: `PhaseProbe` around one run of each policy.
 
-Serves SmolLM2's mixed workload (the `adapt bench ab` scenario) at one load with each
+Serves SmolLM2's mixed workload (the `adapt bench ab` scenario; ``--workload`` another) at one load with each
 policy in turn on one engine, for each scenario instance, and prints milliseconds per decode step
 by phase (`adapt.bench.speed_runners.PhaseProbe`, an observer of the engine's `StepRecord.times`:
 decide, draft, choose, forward, accept, conclude; workers/step_record.py), plus the decision
@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--pair", default="smollm2", choices=("demo", "smollm2"))
     p.add_argument("--policies", default="suffix,adaptive")
     p.add_argument("--load", type=int, default=1)
+    p.add_argument("--workload", default="mixed", help="a workload of adapt.bench.workloads (longdoc: long documents)")
     p.add_argument("--instances", default="0")
     p.add_argument("--compile", default="aot", choices=("off", "aot"))
     p.add_argument("--requests", type=int, default=24)
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     from workers.traces import ListTraceSink
 
     torch.set_num_threads(2)
-    engine, prompts = workload_engine(args.pair, "mixed", args.load, 97, compile=args.compile)
+    engine, prompts = workload_engine(args.pair, args.workload, args.load, 97, compile=args.compile)
     pf = profiled_policy_file(Path(__file__).resolve().parents[3] / "models" / args.pair / "policy.json", engine)
     K = engine.block
     mix = evaluation_mix(pf.cost, K, max(args.requests, 2 * args.load))
