@@ -139,9 +139,13 @@ def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int,
     max_batch, _, length, _ = cache.k[0].shape
     dev = cache.k[0].device
     B, T = min(2, max_batch), min(3, tmax)
+    # the example's window is half the cache: inductor splits its loops over threads by the example's
+    # sizes, and with a window of a few positions it ran the attention's softmax on one thread
+    # (results/ab/smollm2/verify-example-window/: a 17-token verify after 1,780 positions 0.87x the time)
+    W = max(5 + T, (length - 1) // 2)
     kv = tuple(torch.zeros_like(t) for t in cache.k) + tuple(torch.zeros_like(t) for t in cache.v)
-    example = (torch.zeros(B, T, dtype=torch.long, device=dev), torch.full((B,), 5, dtype=torch.long, device=dev),
-               torch.zeros(5 + T, device=dev))
+    example = (torch.zeros(B, T, dtype=torch.long, device=dev), torch.full((B,), W - T, dtype=torch.long, device=dev),
+               torch.zeros(W, device=dev))
     Dim = torch.export.Dim
     dynamic = {"ids": {0: Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC,
                        1: Dim("tokens", min=1, max=tmax) if tmax > 1 else Dim.STATIC},
