@@ -441,4 +441,3 @@ def test_the_phase_probe_counts_subset_passes_too(built):
         d.subset_rows = saved
     assert [got["sub0"], got["sub1"]] == want
     assert probe.calls["draft_package"] == d.program.calls - before > 0
-

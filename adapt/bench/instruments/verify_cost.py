@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,6 +75,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from adapt.bench.report import commit
     from adapt.profile_cache import machine_facts
     from workers.engine import Engine, EngineConfig
     from workers.pairs import get_pair
@@ -89,10 +89,8 @@ def main(argv=None) -> int:
         points = time_forwards(engine, starts, widths, args.repeats)
     except ValueError as e:
         p.error(str(e))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
     out = {"instrument": "verify_cost", "pair": args.pair, "dtype": args.dtype, "backend": engine.backend.label,
-           "max_len": args.max_len, "repeats": args.repeats, "machine": machine_facts("cpu"), "commit": commit,
+           "max_len": args.max_len, "repeats": args.repeats, "machine": machine_facts("cpu"), "commit": commit(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "points": points}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
