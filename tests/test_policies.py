@@ -8,6 +8,7 @@ import torch
 
 import policies
 from adapt.controller import build_policy, reload
+from adapt.cost_model import CostModel
 from adapt.policy_file import PolicyFile
 from adapt.targets import RequestTargets
 from kernels.rules import EXACT_RULES, Rule
@@ -396,6 +397,20 @@ def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
     # powers of two there), then coarser counts up to 128
     default = profile_engine(engine, repeats=1, overhead_steps=2)
     assert default.verify.xs.tolist()[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 10] and default.verify.xs.tolist()[-1] == 128
+    assert default.attend_ms == 0.0  # a 128-position cache holds no long context to price
+
+
+def test_profile_engine_prices_wide_verifies_over_a_long_context(pair):
+    from adapt.controller import profile_engine
+    from workers.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(target=pair[0], drafter=pair[1], device="cpu", dtype="float32", max_batch=1,
+                                 max_len=1024))
+    cost = profile_engine(engine, token_grid=(1, 8), row_grid=(1, 2), repeats=3, overhead_steps=0)
+    assert 0.0 <= cost.attend_ms < 100.0  # ms per extra position per 1,000 cached positions
+    assert CostModel.from_dict(cost.to_dict()).attend_ms == cost.attend_ms
+    without = profile_engine(engine, token_grid=(1, 8), row_grid=(1, 2), repeats=1, overhead_steps=0, attend=False)
+    assert without.attend_ms == 0.0
 
 
 def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
