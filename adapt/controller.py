@@ -17,7 +17,6 @@ glue between policy files, engines and policies.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Annotated, Literal
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table, sweep_medians
+from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, PolicyFileError, load
 from policies.adaptive.settings import AdaptiveSettings, drop_removed
 from workers.decisions import StaticDecisions
@@ -164,8 +163,7 @@ PROFILE_SPAN = 4  # drafts per speculative step when profiling the drafting extr
 
 @torch.inference_mode()
 def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_ROW_GRID[:7],
-                   context: int = 64, repeats: int = 5, overhead_steps: int = 12, shuffle: bool = True,
-                   attend: bool = True) -> CostModel:
+                   context: int = 64, repeats: int = 5, overhead_steps: int = 12, shuffle: bool = True) -> CostModel:
     """Time ``engine``'s target forward per token count and drafter pass per row count, then the
     per-step overhead the two tables do not cover (acceptance, bookkeeping, the host sync).
 
@@ -179,9 +177,6 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
       τ ≈ 2; the online correction adjusts it to the measured steps); and ``span_share``, a pass
       over ``[anchor, MASK]`` against a whole block (the draft span, `CostModel.span_scale`; 1 on
       a compiled engine, which drafts whole blocks);
-    - ``attend_ms`` (``attend``, on an engine whose cache holds `ATTEND_MIN_CONTEXT` positions more
-      than ``context``): what a verified position beyond the first costs per 1,000 cached
-      positions beyond the tables (`attend_ms`);
     - ``overhead_ms``: the median time of ``overhead_steps`` real autoregressive engine steps of one
       request, minus the verify table's value at one token;
     - then the *drafting extra*: the median time of real speculative steps of one request (s = 1,
@@ -210,13 +205,13 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     dr = engine.drafter
 
-    def verify_fn(n: int, at: int = context) -> None:
+    def verify_fn(n: int) -> None:
         b = max(1, min(max_b, n // (K + 1) or 1))
         t = max(1, -(-n // b))
-        t = min(t, width_cap - at - 1)
+        t = min(t, width_cap - context - 1)
         ids = torch.zeros(b, t, dtype=torch.long, device=dev)
-        start = torch.full((b,), at, dtype=torch.long, device=dev)
-        _, hidden = engine.target_forward(ids, start, engine.tcache, 0, at + t, start_value=at)
+        start = torch.full((b,), context, dtype=torch.long, device=dev)
+        _, hidden = engine.target_forward(ids, start, engine.tcache, 0, context + t, start_value=context)
         if dr is not None:
             engine.pending[:b, :t] = hidden[:, : engine.pending.shape[1]]
 
@@ -248,9 +243,6 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
     short = None if draft_fn is None or not engine.backend.partial_span else (lambda rows: draft_fn(rows, 1))
     cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync,
                              short_draft_fn=short, block=K, shuffle_seed=0 if shuffle else None)
-    long_context = width_cap - ATTEND_WIDE - 2
-    if attend and long_context - context >= ATTEND_MIN_CONTEXT:  # an engine that holds long contexts
-        cost.attend_ms = attend_ms(verify_fn, context, long_context, repeats, sync)
     if overhead_steps > 0:
         # autoregressive and speculative steps in alternating short runs (a drift meets both)
         chunks = max(1, min(3, overhead_steps // 4))
@@ -268,23 +260,6 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
             cost.span = None
             cost.draft_pass = Table(cost.draft_pass.xs.tolist(), (cost.draft_pass.ys + extra).tolist(), "cost.draft_pass")
     return cost
-
-
-ATTEND_WIDE = 9  # the wide forward `attend_ms` times against a one-token one
-ATTEND_MIN_CONTEXT = 512  # engines whose caches hold fewer extra positions than this price none
-
-
-def attend_ms(verify_fn, short: int, long: int, repeats: int, sync=None) -> float:
-    """`CostModel.attend_ms`: what each verified position beyond the first costs per 1,000 cached
-    positions, from one-token and `ATTEND_WIDE`-token forwards after ``short`` and after ``long``
-    cached positions (``verify_fn(tokens, context)``). The verify table is profiled over a short
-    context, where a forward of 5 tokens costs about what one does; over long ones each extra
-    position attends to every cached key: after 1,780 positions SmolLM2's 17-token forward cost
-    2.34x a one-token one, against 1.56x after 150 (results/verify-cost/smollm2/)."""
-    calls = [functools.partial(verify_fn, n, at) for at in (short, long) for n in (1, ATTEND_WIDE)]
-    one_short, wide_short, one_long, wide_long = sweep_medians(calls, repeats, shuffle_seed=0, sync=sync)
-    extra = (wide_long - one_long) - (wide_short - one_short)  # ms the long context adds to the wide forward
-    return max(0.0, float(extra) / (ATTEND_WIDE - 1) / ((long - short) / 1000.0))
 
 
 class _FeatureReadingStatic(StaticDecisions):

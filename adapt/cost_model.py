@@ -227,8 +227,7 @@ class CostModel:
     """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
 
     def __init__(self, verify: Table | None = None, draft_pass: Table | None = None, overhead_ms: float = 0.0,
-                 rate: float = 0.05, source: str = "default", span_share: float = 1.0, block: int = 0,
-                 attend_ms: float = 0.0):
+                 rate: float = 0.05, source: str = "default", span_share: float = 1.0, block: int = 0):
         # default: a memory-bound-then-linear shape, in arbitrary but plausible CPU milliseconds
         self.verify = verify or Table(DEFAULT_TOKEN_GRID, [8.0, 8.2, 8.5, 9.5, 12, 18, 30, 55, 105, 205, 405],
                                       "cost.verify")
@@ -247,13 +246,6 @@ class CostModel:
         if not (np.isfinite(span_share) and 0.0 < span_share <= 1.0):
             raise ValueError(f"cost.span_share: must be in (0, 1], got {span_share!r}")
         self.span_share, self.block, self.span = float(span_share), int(block), None
-        # attention over a long context: a verified position beyond one per row costs `attend_ms`
-        # more per 1,000 cached positions than the tables (profiled over a short context) say.
-        # `context` (positions cached in the deciding batch's longest row) and `rows` (its rows)
-        # are what the deciding policy prices now; context 0: the tables alone
-        if not np.isfinite(attend_ms) or attend_ms < 0:
-            raise ValueError("cost.attend_ms: must be a non-negative number")
-        self.attend_ms, self.context, self.rows = float(attend_ms), 0, 1
 
     # -- prediction (tensor code) ------------------------------------------------------------------
     def verify_ms(self, num_tokens: torch.Tensor | float) -> torch.Tensor:
@@ -271,28 +263,15 @@ class CostModel:
         r = torch.as_tensor(rows_per_pass, dtype=torch.float64)
         return torch.where(r > 0, self.draft_pass(r), torch.zeros_like(r)).sum(-1) * self.span_scale()
 
-    def wide_ms(self, num_tokens):
-        """What verifying ``num_tokens`` positions (a tensor or a float) costs beyond the tables
-        at the current `context`: `attend_ms` per 1,000 cached positions per position beyond one
-        per row (a forward of one token per row reads the same keys: the plain step's residual
-        prices that part)."""
-        per = self.attend_ms * self.context / 1000.0
-        if per <= 0.0:
-            return 0.0
-        extra = num_tokens - self.rows
-        return per * (extra.clamp_min(0) if isinstance(extra, torch.Tensor) else max(extra, 0.0))
-
     def step_ms(self, num_tokens: torch.Tensor | float, rows_per_pass: torch.Tensor | None = None) -> torch.Tensor:
         t = self.overhead_ms + self.verify_ms(num_tokens)
-        if self.context > 0 and self.attend_ms > 0:
-            t = t + self.wide_ms(torch.as_tensor(num_tokens, dtype=t.dtype, device=t.device))
         if rows_per_pass is not None:
             t = t + self.draft_ms(rows_per_pass)
         return t
 
     def step_ms_at(self, num_tokens: float, rows_per_pass: Sequence[int] | None = None) -> float:
         """`step_ms` for one step, in plain Python floats: ``rows_per_pass`` a list of row counts."""
-        t = self.overhead_ms + self.verify.at(float(num_tokens)) + self.wide_ms(float(num_tokens))
+        t = self.overhead_ms + self.verify.at(float(num_tokens))
         if rows_per_pass:
             t += self.draft_ms_at(rows_per_pass)
         return t
@@ -412,14 +391,14 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"verify": self.verify.to_dict(), "draft_pass": self.draft_pass.to_dict(),
                 "overhead_ms": self.overhead_ms, "rate": self.rate, "source": self.source,
-                "span_share": self.span_share, "block": self.block, "attend_ms": self.attend_ms}
+                "span_share": self.span_share, "block": self.block}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         return cls(Table.from_dict(data["verify"], "cost.verify"), Table.from_dict(data["draft_pass"], "cost.draft_pass"),
                    overhead_ms=float(data.get("overhead_ms", 0.0)), rate=float(data.get("rate", 0.05)),
                    source=str(data.get("source", "file")), span_share=float(data.get("span_share", 1.0)),
-                   block=int(data.get("block", 0)), attend_ms=float(data.get("attend_ms", 0.0)))
+                   block=int(data.get("block", 0)))
 
 
 def _binned_median(x: np.ndarray, y: np.ndarray, grid: Sequence[float]) -> tuple[list[float], list[float]]:

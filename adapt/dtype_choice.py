@@ -34,7 +34,7 @@ def step_score(engine) -> dict[str, float]:
     from adapt.controller import PROFILE_SPAN, profile_engine
 
     wide = min(PROFILE_SPAN, max(engine.block, 1)) + 1
-    cost = profile_engine(engine, token_grid=(1, wide), row_grid=(1, 2), repeats=3, overhead_steps=0, attend=False)
+    cost = profile_engine(engine, token_grid=(1, wide), row_grid=(1, 2), repeats=3, overhead_steps=0)
     one, verify = float(cost.verify.at(1.0)), float(cost.verify.at(float(wide)))
     draft = float(cost.draft_pass.at(1.0)) if engine.drafter is not None else 0.0
     return {"one": round(one, 3), "verify": round(verify, 3), "verify_tokens": wide, "draft": round(draft, 3),

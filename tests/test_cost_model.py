@@ -233,31 +233,3 @@ def test_a_uniform_slowdown_seen_on_plain_steps_keeps_the_price_of_drafting():
     assert c.step_ms_at(1.0) == pytest.approx(1.5 * CostModel().step_ms_at(1.0), rel=0.02)
     assert c.step_ms_at(5.0, [1]) / c.step_ms_at(1.0) == pytest.approx(ratio, rel=0.03)
     assert all(a <= b for a, b in zip(c.verify.ys.tolist(), c.verify.ys.tolist()[1:]))
-
-
-def test_wide_verifies_over_a_long_context_cost_attend_ms_per_extra_position():
-    c = CostModel(Table([1, 100], [10, 20]), Table([1, 11], [1, 2]), overhead_ms=1.0, attend_ms=2.0)
-    short = c.step_ms_at(9.0)
-    c.context, c.rows = 1500, 1  # 1,500 cached positions, one row: 8 extra positions at 3 ms each
-    assert c.step_ms_at(9.0) == pytest.approx(short + 8 * 3.0)
-    assert c.step_ms_at(1.0) == pytest.approx(1 + 10)  # one token per row: the tables alone
-    assert float(c.step_ms(9.0)) == pytest.approx(short + 24.0)
-    vec = c.step_ms(torch.tensor([1.0, 9.0], dtype=torch.float64))
-    assert vec.dtype == torch.float64 and vec.tolist() == pytest.approx([11.0, short + 24.0])
-    c.rows = 4  # four rows verifying 9 positions: 5 extra
-    assert c.step_ms_at(9.0) == pytest.approx(short + 5 * 3.0)
-    again = CostModel.from_dict(c.to_dict())
-    assert again.attend_ms == 2.0 and again.context == 0  # the context is the deciding policy's, not stored
-    with pytest.raises(ValueError, match="attend_ms"):
-        CostModel(attend_ms=float("nan"))
-
-
-def test_attend_ms_reads_what_a_long_context_adds_to_each_extra_position():
-    from adapt.controller import ATTEND_WIDE, attend_ms
-
-    def verify_fn(n, at):  # 0.1 ms per token, plus 0.5 ms per extra token per 1,000 cached positions
-        time.sleep(1e-4 * n + 5e-4 * (n - 1) * at / 1000)
-
-    got = attend_ms(verify_fn, 64, 2064, repeats=5)
-    assert 0.35 < got < 0.8, got  # 0.5 ms; sleeps overshoot a little, alike at both contexts
-    assert ATTEND_WIDE > 1

@@ -8,7 +8,6 @@ import torch
 
 import policies
 from adapt.controller import build_policy, reload
-from adapt.cost_model import CostModel
 from adapt.policy_file import PolicyFile
 from adapt.targets import RequestTargets
 from kernels.rules import EXACT_RULES, Rule
@@ -397,20 +396,6 @@ def test_profile_engine_times_the_engine_and_leaves_it_clean(pair):
     # powers of two there), then coarser counts up to 128
     default = profile_engine(engine, repeats=1, overhead_steps=2)
     assert default.verify.xs.tolist()[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 10] and default.verify.xs.tolist()[-1] == 128
-    assert default.attend_ms == 0.0  # a 128-position cache holds no long context to price
-
-
-def test_profile_engine_prices_wide_verifies_over_a_long_context(pair):
-    from adapt.controller import profile_engine
-    from workers.engine import Engine, EngineConfig
-
-    engine = Engine(EngineConfig(target=pair[0], drafter=pair[1], device="cpu", dtype="float32", max_batch=1,
-                                 max_len=1024))
-    cost = profile_engine(engine, token_grid=(1, 8), row_grid=(1, 2), repeats=3, overhead_steps=0)
-    assert 0.0 <= cost.attend_ms < 100.0  # ms per extra position per 1,000 cached positions
-    assert CostModel.from_dict(cost.to_dict()).attend_ms == cost.attend_ms
-    without = profile_engine(engine, token_grid=(1, 8), row_grid=(1, 2), repeats=1, overhead_steps=0, attend=False)
-    assert without.attend_ms == 0.0
 
 
 def test_adaptive_charges_the_drafting_paths_learned_extra_cost():
@@ -779,6 +764,33 @@ def test_adaptive_acceptance_corrections_skip_pinned_rows():
     assert learn([False, False]) == (1, 4.0, 1, 2.0)
     assert learn([True, False]) == (0, 0.0, 1, 2.0)   # the copy was pinned: nothing learned of it
     assert learn([False, True]) == (1, 4.0, 0, 0.0)   # the diffusion draft was pinned
+
+
+def test_acceptance_corrections_are_learned_per_context_bucket():
+    """With ``accept_by_context`` (the default) the suffix and diffusion acceptance corrections are
+    kept per context bucket of the batch's longest row, as the step costs are: drafts that won
+    little over ~1,800-token documents do not scale a chat request's (its bucket starts at ratio
+    1), and the documents' corrections come back when a long row does. Off: one set for every context."""
+    import dataclasses
+
+    from policies.adaptive.plan import StepDecision
+
+    for by_context in (True, False):
+        p = policies.get("adaptive", hold_max=0, online_cost=False, accept_by_context=by_context)
+        rows = make_rows(1, temperature=[0.0])
+        long = dataclasses.replace(rows, position=torch.full((1,), 1800))
+        short = dataclasses.replace(rows, position=torch.full((1,), 200))
+        nothing = StepOutcome(torch.tensor([0]), torch.tensor([4]), torch.zeros(1), 0.01, 5)
+        for _ in range(30):  # over the document, a copy of 4 and a diffusion draft of 2 predicted, none won
+            p.step = StepDecision(suffix_expect=torch.tensor([4.0]), diffusion_expect=(torch.tensor([2.0]), torch.tensor([0])))
+            p.observe(StepRecord(0, long, intent_of([1]), None, nothing, torch.tensor([False]), {}))
+        low = (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0]))
+        assert low[0] < 0.5 and low[1] < 0.5
+        p._use_context(short)
+        ratios = (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0]))
+        assert ratios == ((1.0, 1.0) if by_context else low)
+        p._use_context(long)
+        assert (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0])) == pytest.approx(low)
 
 
 def test_step_costs_are_learned_per_context_bucket():

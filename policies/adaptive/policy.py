@@ -116,14 +116,12 @@ class AdaptivePolicy(Policy):
         return self.use_suffix and self.cadence.left == 0
 
     def _use_context(self, rows) -> None:
-        """The step costs' context bucket for ``rows`` (their longest row's length), and the
-        context and rows the cost model prices wide verifies at (`context_cost`)."""
+        """The context bucket (of ``rows``' longest row) the step costs and, with
+        ``accept_by_context``, the acceptance corrections price and learn in."""
         position = getattr(rows, "position", None)
         if position is None or not len(position):
             return
         length = int(position.max())
-        if hasattr(self.cost, "context"):
-            self.cost.context, self.cost.rows = (length if self.context_cost else 0), len(position)
         if self.cost_by_context:
             self.costs.use_context(length)
         bucket = context_bucket(length)
