@@ -766,33 +766,6 @@ def test_adaptive_acceptance_corrections_skip_pinned_rows():
     assert learn([False, True]) == (1, 4.0, 0, 0.0)   # the diffusion draft was pinned
 
 
-def test_acceptance_corrections_are_learned_per_context_bucket():
-    """With ``accept_by_context`` (the default) the suffix and diffusion acceptance corrections are
-    kept per context bucket of the batch's longest row, as the step costs are: drafts that won
-    little over ~1,800-token documents do not scale a chat request's (its bucket starts at ratio
-    1), and the documents' corrections come back when a long row does. Off: one set for every context."""
-    import dataclasses
-
-    from policies.adaptive.plan import StepDecision
-
-    for by_context in (True, False):
-        p = policies.get("adaptive", hold_max=0, online_cost=False, accept_by_context=by_context)
-        rows = make_rows(1, temperature=[0.0])
-        long = dataclasses.replace(rows, position=torch.full((1,), 1800))
-        short = dataclasses.replace(rows, position=torch.full((1,), 200))
-        nothing = StepOutcome(torch.tensor([0]), torch.tensor([4]), torch.zeros(1), 0.01, 5)
-        for _ in range(30):  # over the document, a copy of 4 and a diffusion draft of 2 predicted, none won
-            p.step = StepDecision(suffix_expect=torch.tensor([4.0]), diffusion_expect=(torch.tensor([2.0]), torch.tensor([0])))
-            p.observe(StepRecord(0, long, intent_of([1]), None, nothing, torch.tensor([False]), {}))
-        low = (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0]))
-        assert low[0] < 0.5 and low[1] < 0.5
-        p._use_context(short)
-        ratios = (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0]))
-        assert ratios == ((1.0, 1.0) if by_context else low)
-        p._use_context(long)
-        assert (p.suffix_accept_ratio, float(p.diffusion_accept_ratio[0, 0])) == pytest.approx(low)
-
-
 def test_step_costs_are_learned_per_context_bucket():
     """What steps take beyond the cost tables is kept per context bucket of the batch's longest
     row: residuals learned over ~1,800-token documents do not price a short chat request's drafts

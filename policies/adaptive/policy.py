@@ -22,7 +22,7 @@ from workers.draft_sources import DIFFUSION_CODE, NONE_CODE, SUFFIX_CODE
 
 from . import objective
 from .cadence import Cadence
-from .calibration import DiffusionAcceptance, StepCosts, SuffixAcceptance, chosen_only, context_bucket
+from .calibration import DiffusionAcceptance, StepCosts, SuffixAcceptance, chosen_only
 from .plan import Plan, StepDecision, plan_steps, span_of
 from .settings import AdaptiveSettings, check_settings
 from .source import take_suffix
@@ -47,8 +47,6 @@ class AdaptivePolicy(Policy):
         self.costs = StepCosts()
         self.suffix = SuffixAcceptance()
         self.diffusion = DiffusionAcceptance()
-        self.accept_context = context_bucket(0)  # the bucket `suffix` and `diffusion` learn in (accept_by_context)
-        self._accept_by_context: dict[int, tuple] = {}  # the other buckets' (suffix, diffusion)
         self.typical_span: float | None = None  # EMA of the spans answered: what drafting costs now
         # λ: weighted value of the marginal verified slot at the last step's optimum (tokens), fixed
         # before the next step's drafting; 0 until the first step
@@ -116,19 +114,10 @@ class AdaptivePolicy(Policy):
         return self.use_suffix and self.cadence.left == 0
 
     def _use_context(self, rows) -> None:
-        """The context bucket (of ``rows``' longest row) the step costs and, with
-        ``accept_by_context``, the acceptance corrections price and learn in."""
+        """The step costs' context bucket for ``rows`` (their longest row's length)."""
         position = getattr(rows, "position", None)
-        if position is None or not len(position):
-            return
-        length = int(position.max())
-        if self.cost_by_context:
-            self.costs.use_context(length)
-        bucket = context_bucket(length)
-        if self.accept_by_context and bucket != self.accept_context:
-            self._accept_by_context[self.accept_context] = (self.suffix, self.diffusion)
-            self.suffix, self.diffusion = self._accept_by_context.pop(bucket, (SuffixAcceptance(), DiffusionAcceptance()))
-            self.accept_context = bucket
+        if self.cost_by_context and position is not None and len(position):
+            self.costs.use_context(int(position.max()))
 
     def before_draft(self, rows):
         self._use_context(rows)
