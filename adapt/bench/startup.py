@@ -110,15 +110,8 @@ def fresh_cache(model: Path, parent: Path) -> Path:
     return root
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[2], check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(args) -> int:
+    from adapt.bench.report import commit
     from adapt.commands.info import machine
     from workers.pull import pull
 
@@ -160,7 +153,7 @@ def run(args) -> int:
     report = {"benchmark": "startup", "command": " ".join(["adapt bench startup", "--out", str(out), "--repeats",
                                                           str(args.repeats), "--max-tokens", str(args.max_tokens),
                                                           "--hf-dtype", args.hf_dtype]),
-              "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine(), "message": args.message, "max_tokens": args.max_tokens,
               "hf_dtype": args.hf_dtype, "model": str(model), "runs": runs, "summary": summary}
     (out / "startup.json").write_text(json.dumps(report, indent=1) + "\n")

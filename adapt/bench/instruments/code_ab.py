@@ -40,20 +40,25 @@ def commit_of(checkout: Path) -> str:
                           text=True, check=True).stdout.strip()
 
 
+def is_ab(command: list[str]) -> bool:
+    """Whether a run's command is `adapt bench ab` (one JSON file) rather than `bench speed` (a folder)."""
+    return command[:2] == ["bench", "ab"]
+
+
 def run_out(command: list[str], run_dir: Path) -> Path:
     """Where a run's command writes: a folder for `bench speed`, a JSON file for `bench ab`."""
-    return run_dir / "ab.json" if command[:2] == ["bench", "ab"] else run_dir
+    return run_dir / "ab.json" if is_ab(command) else run_dir
 
 
 def result_file(command: list[str], run_dir: Path) -> Path:
     """The JSON file a run's command leaves in ``run_dir``: ``ab.json`` or ``speed.json``."""
-    return run_dir / ("ab.json" if command[:2] == ["bench", "ab"] else "speed.json")
+    return run_dir / ("ab.json" if is_ab(command) else "speed.json")
 
 
 def ratios_of(command: list[str], run_dir: Path) -> dict[str, float]:
     """The side-by-side ratios a run measured, by key (``batch=B`` or ``load=L:POLICY``)."""
     data = json.loads(result_file(command, run_dir).read_text())
-    if command[:2] == ["bench", "ab"]:
+    if is_ab(command):
         return {f"load={r['load']}:{r['policy']}": r["paired_ratio"] for r in data if "paired_ratio" in r}
     paired = data["ratios"]["paired"]["adapt-policy/adapt-ar"]
     return {f"batch={b}": v["median"] for b, v in paired.items()}
