@@ -18,6 +18,16 @@ def test_summary_splits_plain_and_drafting_steps_by_batch_size():
     assert lines[2].startswith("rows 28-999 drafting") and "0.206 tokens/ms" in lines[2]
 
 
+def test_diffusion_calibration_compares_what_the_plan_expected_with_what_drafts_won():
+    steps = [{"context": 200, "diffusion_rows": 2, "diffusion_predicted": 3.0, "diffusion_won": 2},
+             {"context": 1800, "diffusion_rows": 1, "diffusion_predicted": 0.7, "diffusion_won": 0},
+             {"context": 1900, "diffusion_rows": 1, "diffusion_predicted": 0.7, "diffusion_won": 1},
+             {"context": 1900, "diffusion_rows": 0, "diffusion_predicted": None}]
+    assert step_log.diffusion_calibration(steps) == [
+        "short contexts: 2 diffusion drafts, expected 1.50 extra tokens each, won 1.00",
+        "long contexts: 2 diffusion drafts, expected 0.70 extra tokens each, won 0.50"]
+
+
 def test_a_round_on_the_demo_pair_logs_the_adaptive_and_the_baseline_steps(tmp_path):
     """The adaptive policy's decided steps (through a delegating wrapper) and the baseline's steps
     (an engine observer) are logged, each with its outcome; a step the policy decided without
@@ -38,7 +48,27 @@ def test_a_round_on_the_demo_pair_logs_the_adaptive_and_the_baseline_steps(tmp_p
         assert s["verified"] >= s["accepted"] >= 0
         if s["diffusion_rows"] + s["suffix_rows"] == 0:
             assert s["verified"] == 0
+        assert s["context"] > 0 and len(s["diffusing"]) == s["B"]
+        if s["diffusion_rows"] and s["diffusion_predicted"] is not None:
+            assert s["diffusion_predicted"] >= 0 and 0 <= s["diffusion_won"] <= s["accepted"]
     for b in base:
         assert 1 <= b["B"] <= 2 and b["ms"] > 0 and b["drafting_rows"] <= b["B"]
     assert sum(b["drafting_rows"] for b in base) > 0  # static suffix drafting copied somewhere
     assert rnd["adaptive"]["goodput_tok_s"] > 0 and rnd["suffix"]["goodput_tok_s"] > 0
+    # the demo pair's policy drafts by copies here: its diffusion calibration has nothing to report
+    assert rnd["diffusion_calibration"] == step_log.diffusion_calibration(seen)
+
+
+def test_the_plans_expected_diffusion_tokens_are_logged_with_what_the_drafts_won(tmp_path):
+    """Without copies and without plain steps the demo pair's policy drafts by diffusion on every
+    step: each such step logs what its plan expected of the diffusion rows and what they won."""
+    import json
+
+    out = tmp_path / "steps.json"
+    assert step_log.main(["--pair", "demo", "--compile", "off", "--load", "2", "--rounds", "1", "--requests", "4",
+                          "--set", "use_suffix=false", "--set", "allow_no_draft=false", "--out", str(out)]) == 0
+    (rnd,) = json.loads(out.read_text())["rounds"]
+    drafted = [s for s in rnd["steps"] if "ms" in s and s["diffusion_rows"]]
+    assert drafted and all(s["diffusion_predicted"] > 0 and 0 <= s["diffusion_won"] <= s["accepted"] for s in drafted)
+    (line,) = rnd["diffusion_calibration"]
+    assert line.startswith("short contexts: ") and "expected" in line and "won" in line
