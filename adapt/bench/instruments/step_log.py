@@ -69,13 +69,14 @@ class LoggedAdaptive(DelegatingDecisions):
             drafting = source != NONE_CODE
             diffusing = source == DIFFUSION_CODE
             plan = p._plan  # the plan's expected extra tokens of each diffusion row (after the online ratio)
-            planned = (float(plan.extra[diffusing].sum()) if plan is not None and plan.key == tuple(rows.request_ids)
-                       else None)
-            planned = planned if planned is not None and math.isfinite(planned) else None  # inf: not planned
+            planned = None  # none: no diffusion row, a plan of other rows, or rows drafting unplanned (inf)
+            if bool(diffusing.any()) and plan is not None and plan.key == tuple(rows.request_ids):
+                total = float(plan.extra[diffusing].sum())
+                planned = total if math.isfinite(total) else None
             n = rows.suffix_len
-            self.log.append({"B": len(rows.request_ids), "diffusion_rows": int((source == DIFFUSION_CODE).sum()),
+            self.log.append({"B": len(rows.request_ids), "diffusion_rows": int(diffusing.sum()),
                              "context": int(rows.position.max()), "diffusing": diffusing.tolist(),
-                             "diffusion_predicted": planned if bool(diffusing.any()) else None,
+                             "diffusion_predicted": planned,
                              "suffix_rows": int((source == SUFFIX_CODE).sum()),
                              "suffix_offered": None if n is None else int((n > 0).sum()),
                              "suffix_lengths": None if n is None else n.tolist(),
@@ -92,12 +93,9 @@ class LoggedAdaptive(DelegatingDecisions):
             outcome, p = record.outcome, self.inner
             predicted = float(p.cost.step_ms_at(float(outcome.num_tokens), rows_per_pass(record.intent.steps)))
             entry = self.log[-1]
-            if entry.get("diffusion_predicted") is not None:  # what the diffusion rows won
-                import torch
-
-                accepted = outcome.accepted.cpu()
-                entry["diffusion_won"] = int(accepted[torch.tensor(entry["diffusing"])].sum())
-            self.log[-1].update({"ms": 1e3 * outcome.step_time, "positions": int(outcome.num_tokens),
+            if entry["diffusion_predicted"] is not None:  # what the diffusion rows won
+                entry["diffusion_won"] = sum(a for a, d in zip(outcome.accepted.tolist(), entry["diffusing"]) if d)
+            entry.update({"ms": 1e3 * outcome.step_time, "positions": int(outcome.num_tokens),
                                  "accepted": int(outcome.accepted.sum()), "verified": int(outcome.verified.sum()),
                                  "predicted_ms": predicted, "decision_ms": p.cadence.decide_ms})
         return self.inner.observe(record)
@@ -217,7 +215,7 @@ def main(argv=None) -> int:
                        "summary": summary(steps), "diffusion_calibration": diffusion_calibration(steps), "steps": steps, "baseline_steps": base_log[base_start:]})
         print(f"round {r}: {args.baseline} {m_base['goodput_tok_s']:.1f} tok/s, SLA {m_base['sla_attainment']:.3f}; adaptive "
               f"{m_ad['goodput_tok_s']:.1f} tok/s, SLA {m_ad['sla_attainment']:.3f}", flush=True)
-        for line in rounds[-1]["summary"] + diffusion_calibration(steps):
+        for line in rounds[-1]["summary"] + rounds[-1]["diffusion_calibration"]:
             print("  adaptive " + line, flush=True)
         for line in rounds[-1]["baseline_summary"]:
             print(f"  {args.baseline} " + line, flush=True)
