@@ -27,8 +27,6 @@ SUFFIX_IDLE_DECAY = 0.995  # per step without suffix drafts: a low ratio fades (
 DIFFUSION_DECAY = 0.98  # per step with diffusion drafts: the plan's recalibration forgets over ~50 of them
 DIFFUSION_PRIOR = 8.0   # tokens at ratio 1 before any diffusion draft is seen
 DIFFUSION_IDLE_DECAY = 0.995  # per step without diffusion drafts: the evidence fades back to ratio 1
-ROW_PRIOR = 2.0   # a request's own diffusion ratio: tokens at its class's ratio before its first draft
-ROW_DECAY = 0.95  # per diffusion draft of the request: its own evidence forgets over ~20 drafts
 
 
 def batch_bucket(batch: int) -> int:
@@ -112,7 +110,6 @@ class DiffusionAcceptance:
         self.won: list[float] | None = None
         self.predicted: list[float] | None = None
         self.drafts = 0
-        self.by_request: dict[str, list[float]] = {}  # request id -> [tokens won, tokens predicted]
 
     def sums(self, S: int) -> tuple[list[float], list[float]]:
         """(won, predicted), made (zeros) at first use and again when the grid's size changed."""
@@ -124,43 +121,22 @@ class DiffusionAcceptance:
         won, predicted = (torch.tensor(x, dtype=torch.float64).view(2, -1) for x in self.sums(S))
         return ((won + DIFFUSION_PRIOR) / (predicted + DIFFUSION_PRIOR)).clamp(0.25, 2.0)
 
-    def row_ratio(self, S: int, request_ids, temperature: torch.Tensor) -> torch.Tensor:
-        """[B, S] each request's own ratio: its diffusion drafts' won over predicted tokens (sums
-        decayed by `ROW_DECAY` per draft of its own), shrunk toward its class's `ratio` by a
-        prior of `ROW_PRIOR` tokens, clipped to [0.25, 2]. A request that never drafted reads its
-        class's ratio. One request's documents are not another's chat: measured on longdoc-chat,
-        the plan predicted 0.71 extra tokens per diffusion draft on ~1,800-token documents and
-        they won 0.34, while the class's ratio, learned mostly from the chat requests between
-        them, stayed near 1."""
-        cls = self.ratio(S)[(temperature.cpu() > 0).long()]                          # [B, S]
-        own = torch.tensor([self.by_request.get(r, (0.0, 0.0)) for r in request_ids],
-                           dtype=torch.float64).view(-1, 2)                           # [B, 2] won, predicted
-        return ((own[:, :1] + ROW_PRIOR * cls) / (own[:, 1:] + ROW_PRIOR)).clamp(0.25, 2.0)
-
-    def observe(self, S: int, found, accepted, temperature, request_ids=None) -> None:
+    def observe(self, S: int, found, accepted, temperature) -> None:
         """``found``: ([B] plan-predicted extra tokens per diffusion row, 0 for others, [B] grid
-        index) or None; ``accepted`` [B] what each row won; ``temperature`` [B]; ``request_ids``
-        (B ids) where each request's own sums are kept (`row_ratio`), else None. A cell without
+        index) or None; ``accepted`` [B] what each row won; ``temperature`` [B]. A cell without
         such drafts this step lets its evidence fade."""
         won_sums, predicted_sums = self.sums(S)
         B = len(accepted)
         expect, level = found if found is not None else (None, None)
         cells = {}  # flat (class, step) cell -> [tokens won, tokens predicted] this step
         if expect is not None and B == len(expect):
-            ids = request_ids if request_ids is not None else [None] * B
-            for e, lv, a, t, rid in zip(expect.tolist(), level.tolist(), torch.as_tensor(accepted).tolist(),
-                                        temperature.tolist(), ids):
+            for e, lv, a, t in zip(expect.tolist(), level.tolist(), torch.as_tensor(accepted).tolist(),
+                                   temperature.tolist()):
                 if e > 0 and math.isfinite(e):  # the row verified a diffusion draft the plan predicted
                     cell = cells.setdefault((t > 0) * S + min(lv, S - 1), [0.0, 0.0])
                     cell[0] += a
                     cell[1] += e
                     self.drafts += 1
-                    if rid is not None:
-                        own = self.by_request.setdefault(rid, [0.0, 0.0])
-                        own[0], own[1] = ROW_DECAY * own[0] + a, ROW_DECAY * own[1] + e
-        if request_ids is not None and len(self.by_request) > B:  # finished requests' sums go
-            live = set(request_ids)
-            self.by_request = {r: v for r, v in self.by_request.items() if r in live}
         for c in range(len(won_sums)):
             w, p = cells.get(c, (0.0, 0.0))
             decay = DIFFUSION_DECAY if c in cells else DIFFUSION_IDLE_DECAY

@@ -88,7 +88,7 @@ def plan_steps(p, rows, ctx, B: int, K: int) -> Plan:
     eps = torch.where(temp > 0, torch.minimum(ctx["eps"], ctx["budget_left"] / K), torch.zeros_like(temp))
     eps = torch.where(cond, eps[:, None], torch.zeros_like(eps)[:, None])          # [B, S]
     raw = pred.prior_survival(grid, K, temp, recent, match, eps)                    # [B, S, K]
-    ratio = p.row_accept_ratio(rows).float().to(dev)                               # [B, S] recalibrated online
+    ratio = p.diffusion_accept_ratio.float().to(dev)[(temp > 0).long()]          # [B, S] recalibrated online
     surv = (raw * ratio[:, :, None]).clamp(max=1.0)                                 # [B, S, K]
     reach = None
     if p.sla_reach:  # lateness weighs only where the target is within reach (before the weights)

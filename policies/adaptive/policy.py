@@ -201,14 +201,6 @@ class AdaptivePolicy(Policy):
         S = len(self.steps_grid)
         return self.diffusion.ratio(S) if self.diffusion_recalibrate else torch.ones(2, S, dtype=torch.float64)
 
-    def row_accept_ratio(self, rows) -> torch.Tensor:
-        """[B, S] the ratio `plan.plan_steps` scales each row's prior by: its class's
-        (`diffusion_accept_ratio`), or with ``diffusion_per_request`` its request's own
-        (`calibration.DiffusionAcceptance.row_ratio`)."""
-        if self.diffusion_recalibrate and self.diffusion_per_request:
-            return self.diffusion.row_ratio(len(self.steps_grid), rows.request_ids, rows.temperature)
-        return self.diffusion_accept_ratio[(rows.temperature.cpu() > 0).long()]
-
     def draft_overhead_at(self, batch: int, source: str = "diffusion", credit: bool | None = None) -> float:
         """`calibration.StepCosts.draft_overhead_at` under this policy's settings."""
         credit = self.draft_credit if credit is None else credit
@@ -248,8 +240,7 @@ class AdaptivePolicy(Policy):
         # corrections above learn the step as it ran, pins included: a step's time is not per row)
         suffix_expect, diffusion_expect = chosen_only(step.suffix_expect, step.diffusion_expect, record.pinned)
         self.suffix.observe(suffix_expect, outcome.accepted)
-        self.diffusion.observe(len(self.steps_grid), diffusion_expect, outcome.accepted, rows.temperature,
-                               rows.request_ids if self.diffusion_per_request else None)
+        self.diffusion.observe(len(self.steps_grid), diffusion_expect, outcome.accepted, rows.temperature)
         if step.suffix_pred is not None and self.online_cost:  # correct the choice's cost by what the step took
             self.costs.observe_choice(step.suffix_pred, measured)
 

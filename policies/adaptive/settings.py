@@ -75,8 +75,6 @@ class AdaptiveSettings(BaseModel):
     suffix_first: bool = _f(False, "every row with a copy takes all of it (as static suffix drafting)")
     diffusion_recalibrate: bool = _f(True, "scale the plan's diffusion acceptance by won / predicted tokens per "
                                      "class and step count")
-    diffusion_per_request: bool = _f(False, "each request's diffusion acceptance scaled by its own won / predicted "
-                                     "tokens, shrunk toward its class's ratio")
     overhead_scales: bool = _f(True, "a batch size never seen drafting borrows a smaller bucket's extra, scaled "
                                "up by the rows")
     draft_credit: bool = _f(True, "drafting steps that ran under the cost tables credit diffusion plans")
