@@ -24,3 +24,12 @@ def test_a_start_past_the_cache_is_a_usage_error_that_names_the_options(tmp_path
                           "--widths", "9", "--out", str(tmp_path / "vc.json")])
     assert exc.value.code == 2 and "--starts/--widths" in capsys.readouterr().err
     assert not (tmp_path / "vc.json").exists()
+
+
+def test_verify_cost_times_several_rows_at_once_with_batch(tmp_path):
+    out = tmp_path / "vc.json"
+    assert verify_cost.main(["--pair", "demo", "--compile", "off", "--max-len", "64", "--starts", "8",
+                             "--widths", "1,2", "--repeats", "2", "--batch", "3", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["batch"] == 3 and [(p["start"], p["tokens"]) for p in got["points"]] == [(8, 1), (8, 2)]
+    assert all(p["ms"] > 0 for p in got["points"])

@@ -4,7 +4,7 @@ A verify of a k-token draft is a target forward of T = k + 1 tokens per row. The
 (adapt/cost_model.py) price it by the forward's positions only, profiled over short contexts.
 This instrument times the engine's own decode forward (`Engine.target_forward`: the compiled
 package where one is loaded) for each T at each start position (the cached context before the
-new tokens), batch 1, every call in sweeps of a random order (`cost_model.sweep_medians`), and
+new tokens), for ``--batch`` rows (1 by default) at the same start, every call in sweeps of a random order (`cost_model.sweep_medians`), and
 reports the medians and each one over the one-token forward at the same start: how much dearer
 each extra verified token gets as the context grows.
 
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 
-def time_forwards(engine, starts: list[int], widths: list[int], repeats: int) -> list[dict]:
-    """[{"start", "tokens", "ms", "over_one"}] for every (start, T): median ms of ``repeats``
-    sweeps; ``over_one``: over the one-token forward at that start (None without T = 1)."""
+def time_forwards(engine, starts: list[int], widths: list[int], repeats: int, batch: int = 1) -> list[dict]:
+    """[{"start", "tokens", "ms", "over_one"}] for every (start, T), ``batch`` rows each: median ms
+    of ``repeats`` sweeps; ``over_one``: over the one-token forward at that start (None without T = 1)."""
     import torch
 
     from adapt.cost_model import sweep_medians
@@ -39,8 +39,8 @@ def time_forwards(engine, starts: list[int], widths: list[int], repeats: int) ->
     calls, points = [], []
     for start in starts:
         for T in widths:
-            ids = torch.randint(1, engine.target.config.vocab_size, (1, T), device=engine.device)  # [1, T]
-            pos = torch.tensor([start], device=engine.device)                                   # [1]
+            ids = torch.randint(1, engine.target.config.vocab_size, (batch, T), device=engine.device)  # [B, T]
+            pos = torch.full((batch,), start, device=engine.device)                                   # [B]
 
             def call(ids=ids, pos=pos, start=start, T=T):
                 with torch.inference_mode():
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--widths", default="1,2,5,9,17", help="new tokens T per forward, comma-separated")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="rows per forward, each at the same start")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
         p.error("--starts/--widths: comma-separated integers")
     if min(starts) < 0 or min(widths) < 1:
         p.error("--starts/--widths: starts >= 0, widths >= 1")
+    if args.batch < 1:
+        p.error("--batch: at least 1 row")
 
     import torch
 
@@ -84,13 +87,13 @@ def main(argv=None) -> int:
     pair = get_pair(args.pair)
     pair.prepare()
     engine = Engine(EngineConfig(target=str(pair.target), drafter=None if pair.drafter is None else str(pair.drafter),
-                                 dtype=args.dtype, max_batch=1, max_len=args.max_len, compile=args.compile))
+                                 dtype=args.dtype, max_batch=args.batch, max_len=args.max_len, compile=args.compile))
     try:
-        points = time_forwards(engine, starts, widths, args.repeats)
+        points = time_forwards(engine, starts, widths, args.repeats, args.batch)
     except ValueError as e:
         p.error(str(e))
     out = {"instrument": "verify_cost", "pair": args.pair, "dtype": args.dtype, "backend": engine.backend.label,
-           "max_len": args.max_len, "repeats": args.repeats, "machine": machine_facts("cpu"), "commit": commit(),
+           "max_len": args.max_len, "batch": args.batch, "repeats": args.repeats, "machine": machine_facts("cpu"), "commit": commit(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "points": points}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
