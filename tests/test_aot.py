@@ -11,6 +11,7 @@ package and, told not to build, decodes eagerly; the CLI builds, lists and clear
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,7 +282,7 @@ def test_calls_the_program_cannot_take_run_eagerly(built):
     assert not aot.fits(torch.zeros(4, 1, dtype=torch.long), cache, 0, 10, None, None)  # more rows than built for
 
 
-def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
+def test_adapt_compile_builds_lists_prunes_and_clears(built, monkeypatch, capsys):
     from adapt.cli import main
 
     target, drafter, cache, engine = built
@@ -297,6 +298,16 @@ def test_adapt_compile_builds_lists_and_clears(built, monkeypatch, capsys):
                                            for k in (None, "drafter", "context")]
     assert main(["compile", "--max-batch", "0"]) == 2
     assert "--max-batch" in capsys.readouterr().err
+    # --prune removes the packages this code can no longer load, and only those
+    folder = Path(listed[0]["path"]).parent
+    facts = {k: v for k, v in listed[0].items() if k not in ("path", "kind", "mb")}
+    (folder / "decode-oldcode.pt2").write_bytes(b"x" * 2**20)
+    (folder / "decode-oldcode.json").write_text(json.dumps({**facts, "source": "0" * 64}))
+    (folder / "draft-nofacts.pt2").write_bytes(b"x")
+    assert main(["compile", "--prune"]) == 0
+    assert "removed 2 stale package(s), 1.0 MB; kept 3" in capsys.readouterr().out
+    assert [x["path"] for x in list_packages(cache)] == [x["path"] for x in listed]
+    assert not (folder / "decode-oldcode.json").exists()
     assert main(["compile", "--clear"]) == 0
     assert "removed 3 package" in capsys.readouterr().out and list_packages(cache) == []
 

@@ -56,6 +56,7 @@ SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in worker
 DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
 CONTEXT_SOURCES = (*DRAFT_SOURCES, "target_model.py")  # the context commit's code (its cache write: `write_kv`)
 PACKAGE_KINDS = ("decode", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
+KIND_SOURCES = dict(zip(PACKAGE_KINDS, (SOURCES, DRAFT_SOURCES, CONTEXT_SOURCES)))
 MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 
 
@@ -109,12 +110,16 @@ def _shared_facts(sources: tuple[str, ...], cache) -> dict:
     effective capability (`workers.cpu_capability`: inductor generates code for
     ``ATEN_CPU_CAPABILITY``'s ISA, oneDNN runs under ``ONEDNN_MAX_CPU_ISA``), the cache it runs over
     and the source of the code it compiled (`sources`, in workers/)."""
-    here = Path(__file__).resolve().parent
-    src = hashlib.sha256(b"".join((here / name).read_bytes() for name in sources)).hexdigest()
     k0 = cache.k[0]
     return {"format": PACKAGE_FORMAT, "torch": torch.__version__, "device": k0.device.type,
             "cpu_capability": capability_label(), "layers": len(cache.k),
-            "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": src}
+            "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": source_digest(sources)}
+
+
+def source_digest(sources: tuple[str, ...]) -> str:
+    """sha256 over the code a package compiled (`sources`, files in workers/)."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in sources)).hexdigest()
 
 
 def package_facts(target: nn.Module, capture: tuple[int, ...], cache, tmax: int) -> dict:
@@ -496,6 +501,38 @@ def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
         kind = pt2.name.split("-", 1)[0]  # one of PACKAGE_KINDS
         out.append({"path": str(pt2), "kind": kind, "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
     return out
+
+
+def stale_packages(cache_dir: str | Path | None = None) -> list[Path]:
+    """The packages no engine of this installation can load: built from other code (their
+    kind's `source_digest` differs: any change to the files of `KIND_SOURCES` makes new keys), by
+    another torch or in another package format, or without the facts file written beside each.
+    Packages for other models, engine shapes or CPU capabilities (a cache directory shared by
+    machines) are not stale."""
+    current = {kind: source_digest(sources) for kind, sources in KIND_SOURCES.items()}
+    stale = []
+    for pt2 in _package_files(package_dir(cache_dir)):
+        meta = pt2.with_suffix(".json")
+        try:
+            facts = json.loads(meta.read_text()) if meta.is_file() else {}
+        except (OSError, ValueError):
+            facts = {}
+        kind = pt2.name.split("-", 1)[0]
+        if (facts.get("source") != current[kind] or facts.get("torch") != torch.__version__
+                or facts.get("format") != PACKAGE_FORMAT):
+            stale.append(pt2)
+    return stale
+
+
+def remove_stale_packages(cache_dir: str | Path | None = None) -> tuple[int, float]:
+    """Delete `stale_packages` and their facts files; returns (how many, MB freed)."""
+    stale = stale_packages(cache_dir)
+    mb = 0.0
+    for pt2 in stale:
+        mb += pt2.stat().st_size / 2**20
+        pt2.unlink()
+        pt2.with_suffix(".json").unlink(missing_ok=True)
+    return len(stale), round(mb, 1)
 
 
 def remove_packages(cache_dir: str | Path | None = None) -> int:

@@ -4,6 +4,7 @@
     adapt compile --max-batch 8          # for `adapt serve --max-batch 8`
     adapt compile --pair demo --dtype float32
     adapt compile --list                 # what is built, for which engine shape
+    adapt compile --prune                # remove the packages this installation can no longer load
     adapt compile --clear                # remove every package
 
 A package is the target's decode forward compiled ahead of time by AOTInductor (workers/aot.py):
@@ -33,16 +34,23 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--list", action="store_true", help="list the packages built, then exit")
+    p.add_argument("--prune", action="store_true",
+                   help="remove the packages no engine of this installation can load (built from other adapt "
+                        "code, another torch or package format), then exit")
     p.add_argument("--clear", action="store_true", help="remove every package, then exit")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from workers.aot import list_packages, remove_packages
+    from workers.aot import list_packages, remove_packages, remove_stale_packages
 
     if args.list:
         for pkg in list_packages():
             print(json.dumps(pkg))
+        return 0
+    if args.prune:
+        n, mb = remove_stale_packages()
+        print(f"removed {n} stale package(s), {mb} MB; kept {len(list_packages())}")
         return 0
     if args.clear:
         print(f"removed {remove_packages()} package(s)")
