@@ -6,6 +6,7 @@ Timing is the benchmark's business; nothing here asserts a speed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +291,25 @@ def test_per_class_counts_only_groups_of_one_class():
     assert got["code"] == {"tokens_per_s": round(8 / 3, 2), "tokens_per_s_samples": [round(8 / 3, 2)], "tau": 1.0}
     assert per_class([run], None, 2) is None
     assert per_class([Run(24, 6.0, 9, 6, 3, outputs)], classes, 2) is None  # no per-group times (--refill)
+
+
+def test_interleaved_rows_of_one_engine_kind_decode_on_each_others_engines_round_by_round():
+    """`rotate_engines`: round r gives the i-th runner of a kind the (i + r)-th one's loaded
+    engine; a runner of another kind (no drafter) keeps its own."""
+    from adapt.bench.speed_runners import AdaptRunner, rotate_engines
+
+    def runner(name, drafter):
+        r = AdaptRunner(name, name, Path("target"), drafter, "bfloat16", 1, 64)
+        r.loaded = r.engine = object()
+        return r
+
+    a, b, c = (runner(n, Path("drafter")) for n in "abc")
+    suffix = runner("suffix", None)
+    rows = [a, suffix, b, c]
+    own = [r.loaded for r in rows]
+    rotate_engines(rows, 1)
+    assert [r.engine for r in rows] == [b.loaded, suffix.loaded, c.loaded, a.loaded]
+    rotate_engines(rows, 2)
+    assert [r.engine for r in rows] == [c.loaded, suffix.loaded, a.loaded, b.loaded]
+    rotate_engines(rows, 3)
+    assert [r.engine for r in rows] == own

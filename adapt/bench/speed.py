@@ -367,7 +367,7 @@ def run(args) -> int:
     import torch
 
     from adapt.bench.interleave import StepClock
-    from adapt.bench.speed_runners import AdaptRunner, VLLMRunner, drive
+    from adapt.bench.speed_runners import AdaptRunner, VLLMRunner, drive, rotate_engines
 
     from workers.target_model import resolve_dtype
 
@@ -477,7 +477,8 @@ def run(args) -> int:
             names = [n for n in rotated if (n, b) not in pair_skips]
             together = [n for n in names if args.interleave and isinstance(runners[n], AdaptRunner)]
             results = {}
-            if together:  # side by side, step by step, each on its own clock
+            if together:  # side by side, step by step, each on its own clock, engines rotated
+                rotate_engines([runners[n] for n in order], rnd)
                 results = drive({n: runners[n].session(prompts_at(b), b, max_tokens, clock=StepClock(),
                                                        refill=args.refill, length_spread=args.length_spread)
                                  for n in together})
@@ -685,7 +686,7 @@ def markdown(report: dict) -> str:
              f"{', at most %d groups per batch size' % cfg['max_groups'] if cfg.get('max_groups') else ''}), "
              f"median of {cfg['rounds']} round(s){'' if report.get('complete', True) else ' (run incomplete)'}; load average {report['machine']['load_avg_start']} -> "
              f"{report['machine']['load_avg_end']}."
-             + (" Our rows interleaved step by step, each on its own clock." if cfg.get("interleave") else "")
+             + (" Our rows interleaved step by step, each on its own clock, rows of one engine kind on each other's engines in turn, round by round." if cfg.get("interleave") else "")
              + (" Requests kept in flight per batch size (`--refill`), not static groups." if cfg.get("refill") else "")
              + (f" Lengths spread ±{cfg['length_spread']:g} around the mean (`--length-spread`)." if cfg.get("length_spread") else "")
              + (f" Kernels at {report['machine']['cpu']['torch_capability']}, limited by "

@@ -60,6 +60,23 @@ def groups_of(items: list, batch: int) -> list[list]:
     return [items[i : i + batch] for i in range(0, len(items), batch)]
 
 
+def rotate_engines(runners: list, turn: int) -> None:
+    """Give `AdaptRunner`\ s whose engines are built alike (`AdaptRunner.engine_kind`) each other's
+    loaded engines, shifted by ``turn``: in round r of an interleaved run, the i-th runner of a kind
+    decodes on the engine the (i + r)-th one loaded. Two engines loaded alike in one process
+    decode at speeds a few per cent apart for the whole run (measured: three identical adaptive
+    rows on the edit workload, one 0.960-0.972x the others in each of 4 rounds, while the rows'
+    order rotated), an offset that a fixed pairing of rows to engines adds to their ratio; over
+    rounds that rotate the engines it falls on every row alike."""
+    kinds: dict = {}
+    for r in runners:
+        if isinstance(r, AdaptRunner) and r.loaded is not None:
+            kinds.setdefault(r.engine_kind, []).append(r)
+    for group in kinds.values():
+        for i, r in enumerate(group):
+            r.engine = group[(i + turn) % len(group)].loaded
+
+
 def drive(sessions: dict) -> dict:
     """Run `AdaptRunner.session` generators to the end, taking turns one engine step each (so that
     the machine's drift falls on all of them alike: adapt/bench/interleave.py); {name: Run}."""
@@ -189,8 +206,15 @@ class AdaptRunner:
         self.target, self.drafter, self.dtype = target, drafter, dtype
         self.warm_up: dict = {}
         self.max_batch, self.max_len, self.draft_len = max_batch, max_len, draft_len
-        self.engine = None
+        self.engine = None  # the engine it decodes on (`rotate_engines` may lend it another runner's)
+        self.loaded = None  # the engine this runner loaded itself (None: it shares another runner's)
         self._counter = 0
+
+    @property
+    def engine_kind(self) -> tuple:
+        """What its engine is built from: runners of one kind may decode on each other's engines."""
+        return (str(self.target), str(self.drafter), self.dtype, self.max_batch, self.max_len, self.compile,
+                str(self.device))
 
     def start(self) -> None:
         from workers.decisions import StaticDecisions
@@ -207,6 +231,7 @@ class AdaptRunner:
                                               max_batch=self.max_batch, max_len=self.max_len, compile=self.compile,
                                               **device))
             self.warm_up = self.engine.warm_up()
+            self.loaded = self.engine
             if self.engines is not None:
                 self.engines[key] = (self.engine, self.name)
         self.decisions = StaticDecisions()  # the engine's default decision maker
@@ -319,7 +344,7 @@ class AdaptRunner:
         return sum(taus) / len(taus) if taus else None
 
     def close(self) -> None:
-        self.engine = None
+        self.engine = self.loaded = None
 
 
 # -- transformers ---------------------------------------------------------------------------------
