@@ -47,7 +47,7 @@ class AdaptiveSettings(BaseModel):
     allow_no_draft: bool = _f(True, "a row may take a plain step where its draft would not pay for the drafter pass")
     no_draft_margin: float = _f(0.05, "how much better (share) going without a draft must be predicted before a row does",
                                 ge=0.0)
-    idle_decay: float = _f(0.85, "pulls a non-drafting row's recent acceptance toward its class's typical value, "
+    idle_decay: float = _f(0.98, "pulls a non-drafting row's recent acceptance toward its class's typical value, "
                            "1 - idle_decay^n after n idle steps, so it is offered drafts again", ge=0.0, le=1.0)
     replan_every: int = _f(16, "steps between re-plans of each row's step count while the batch is unchanged", ge=1)
     sla_weight: float = _f(2.0, "weight of lateness: w = (1 + priority_weight * priority) * "
