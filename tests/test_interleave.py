@@ -83,3 +83,16 @@ def test_each_round_may_serve_its_own_instance_of_the_scenario():
     assert [p[0] for p in served[:4]] == [2, 3, 4, 5] and seed == 10  # 12 mod 10
     assert scenario_instance(prompts, 2, 4, seed=7, vary=False) == (prompts, 7)
     assert scenario_instance(None, 2, 4) == (None, 0)  # no tokenizer: no prompt list to rotate
+
+
+def test_runs_of_engines_loaded_alike_take_each_others_engines_round_by_round():
+    """`rotated_engines`: round r lends the i-th name of ``alike`` the (i + r)-th one's engine;
+    a name outside ``alike`` (an engine of its own config) keeps its own."""
+    from adapt.bench.interleave import rotated_engines
+
+    engines = {"ar": "e0", "adaptive": "e1", "suffix": "e2", "variant": "own"}
+    alike = ["ar", "adaptive", "suffix"]
+    assert rotated_engines(engines, alike, 0) == engines
+    assert rotated_engines(engines, alike, 1) == {"ar": "e1", "adaptive": "e2", "suffix": "e0", "variant": "own"}
+    assert rotated_engines(engines, alike, 5) == {"ar": "e2", "adaptive": "e0", "suffix": "e1", "variant": "own"}
+    assert engines == {"ar": "e0", "adaptive": "e1", "suffix": "e2", "variant": "own"}  # not changed in place

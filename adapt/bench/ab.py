@@ -178,7 +178,7 @@ def run(args) -> int:
 
     import torch
 
-    from adapt.bench.interleave import engine_copies, run_round, scenario_instance
+    from adapt.bench.interleave import engine_copies, rotated_engines, run_round, scenario_instance
     from adapt.bench.policies import make_policy, workload_engine
     from adapt.controller import build_policy, profile_engine
     from adapt.cost_model import CostModel
@@ -239,14 +239,15 @@ def run(args) -> int:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             served, seed = scenario_instance(prompts, rnd, len(mix), vary=args.instances)
+            on = rotated_engines(engines, shared, rnd) if args.interleave else engines
             # one after another, each policy under its own admission mode on the shared engine; or all side by side
             for group in ([order] if args.interleave else [[n] for n in order]):
                 made = []
                 for n in group:
                     name, _, mode = n.partition("+")
                     made.append(make(name))
-                    engines[n].admission = mode or "all"
-                measured = run_round([engines[n] for n in group], made, Scenario("warm", min(c, 4), mix[:4]),
+                    on[n].admission = mode or "all"
+                measured = run_round([on[n] for n in group], made, Scenario("warm", min(c, 4), mix[:4]),
                                      Scenario("mix", c, mix), served, interleave=args.interleave, seed=seed)
                 for n, policy, m in zip(group, made, measured):
                     runs[n].append(with_stats(policy, m))

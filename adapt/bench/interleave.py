@@ -54,6 +54,19 @@ def engine_copies(engine, count: int) -> list:
     return [engine] + [Engine(dataclasses.replace(engine.config)) for _ in range(count - 1)]
 
 
+def rotated_engines(engines: dict, alike: list, turn: int) -> dict:
+    """``engines`` ({name: engine}) with the names in ``alike`` (whose engines are loaded alike,
+    e.g. by `engine_copies`) on each other's engines, shifted by ``turn``: in round r of an
+    interleaved run the i-th of them decodes on the (i + r)-th one's engine. Two engines loaded
+    alike in one process decode a few per cent apart for the whole run (results/ab/smollm2/engine-offset/:
+    one of three identical rows at 0.960–0.972x the others in every round); over rounds that rotate
+    the engines that offset falls on every run alike instead of on one."""
+    out = dict(engines)
+    for i, name in enumerate(alike):
+        out[name] = engines[alike[(i + turn) % len(alike)]]
+    return out
+
+
 def scenario_instance(prompts: list | None, round_index: int, requests: int, seed: int = 0,
                       vary: bool = True) -> tuple[list | None, int]:
     """(prompts, seed) that round ``round_index`` of a benchmark serves.

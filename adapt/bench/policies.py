@@ -381,7 +381,7 @@ def run(args) -> int:
     from adapt.replay import RecordPool, Scenario, make_mix, replay
     from adapt.trace_data import TraceTable, read_records
     from adapt.bench.evaluation import tight_tpot_ms
-    from adapt.bench.interleave import engine_copies, run_round, scenario_instance
+    from adapt.bench.interleave import engine_copies, rotated_engines, run_round, scenario_instance
     from adapt.bench.live import collect_traces, run_live
     from adapt.commands.policy import fit_policy
 
@@ -538,7 +538,8 @@ def run(args) -> int:
                 for rnd in range(cfg["rounds"]):
                     order = live_policies[rnd % n:] + live_policies[:rnd % n]
                     served, seed = scenario_instance(prompts[w], rnd, len(mix), args.seed, vary=args.instances)
-                    measured = run_round([engines[name] for name in order], [make(name) for name in order], warm,
+                    on = rotated_engines(engines, live_policies, rnd) if args.interleave else engines
+                    measured = run_round([on[name] for name in order], [make(name) for name in order], warm,
                                          Scenario("mix", c, mix), served, interleave=args.interleave, seed=seed)
                     for name, m in zip(order, measured):
                         runs[name].append(m)

@@ -1,7 +1,7 @@
 """`adapt bench report`: rerun the benchmarks behind the README's results table, rewrite their results
 files, and rewrite that table (in README.md and docs/benchmarks.md) from those files.
 
-    adapt bench report                  # ~30 min on 2 cores (SmolLM2; + ~10 min once to build packages)
+    adapt bench report                  # ~40 min on 2 cores (SmolLM2; + ~10 min once to build packages)
     adapt bench report --render-only    # only rewrite the tables from the current results files
     adapt bench report --quick --pair demo --results /tmp/r --readme /tmp/README.md --docs /tmp/b.md
 
@@ -54,7 +54,7 @@ HEADLINES = (
     Headline("speed",
              ("--prompts", "models/smollm2/heldout_prompts.jsonl", "--batch-sizes", "1,8", "--num-prompts", "8",
               "--rows", "adapt-ar,adapt-policy,vllm,vllm-ngram",
-              "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
+              "--threads", "2", "--rounds", "4", "--interleave", "--compile", "aot"),
              ("--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--rows", "adapt-ar,adapt-policy",
               "--threads", "2", "--rounds", "1", "--interleave", "--compile", "off", "--no-profile")),
     # long documents to summarise and short chat in turns (vLLM #52258: drafts are accepted least on
@@ -68,7 +68,7 @@ HEADLINES = (
               "--compile", "off", "--no-profile"),
              folder_name="speed-longdoc"),
     Headline("policies",
-             ("--quick", "--workload", "mixed", "--live-loads", "1,8", "--rounds", "3", "--interleave", "--instances",
+             ("--quick", "--workload", "mixed", "--live-loads", "1,8", "--rounds", "6", "--interleave", "--instances",
               "--seed", "0"),
              ("--quick", "--live-loads", "1", "--replay-loads", "1", "--requests", "8", "--max-tokens", "16",
               "--rounds", "1", "--seed", "0")),

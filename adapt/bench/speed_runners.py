@@ -68,13 +68,16 @@ def rotate_engines(runners: list, turn: int) -> None:
     rows on the edit workload, one 0.960-0.972x the others in each of 4 rounds, while the rows'
     order rotated), an offset that a fixed pairing of rows to engines adds to their ratio; over
     rounds that rotate the engines it falls on every row alike."""
+    from adapt.bench.interleave import rotated_engines
+
     kinds: dict = {}
     for r in runners:
         if isinstance(r, AdaptRunner) and r.loaded is not None:
             kinds.setdefault(r.engine_kind, []).append(r)
     for group in kinds.values():
-        for i, r in enumerate(group):
-            r.engine = group[(i + turn) % len(group)].loaded
+        on = rotated_engines({id(r): r.loaded for r in group}, [id(r) for r in group], turn)
+        for r in group:
+            r.engine = on[id(r)]
 
 
 def drive(sessions: dict) -> dict:
