@@ -61,13 +61,10 @@ def groups_of(items: list, batch: int) -> list[list]:
 
 
 def rotate_engines(runners: list, turn: int) -> None:
-    """Give `AdaptRunner`\ s whose engines are built alike (`AdaptRunner.engine_kind`) each other's
-    loaded engines, shifted by ``turn``: in round r of an interleaved run, the i-th runner of a kind
-    decodes on the engine the (i + r)-th one loaded. Two engines loaded alike in one process
-    decode at speeds a few per cent apart for the whole run (measured: three identical adaptive
-    rows on the edit workload, one 0.960-0.972x the others in each of 4 rounds, while the rows'
-    order rotated), an offset that a fixed pairing of rows to engines adds to their ratio; over
-    rounds that rotate the engines it falls on every row alike."""
+    """Lend `AdaptRunner` objects whose engines are built alike (`AdaptRunner.engine_kind`) each
+    other's loaded engines, shifted by ``turn`` (`adapt.bench.interleave.rotated_engines`, which says
+    why): in round r of an interleaved run, the i-th runner of a kind decodes on the engine the
+    (i + r)-th one loaded."""
     from adapt.bench.interleave import rotated_engines
 
     kinds: dict = {}
