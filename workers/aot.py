@@ -493,11 +493,15 @@ def _package_files(folder: Path) -> list[Path]:
 
 
 def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
-    """The packages in the cache directory: path, size in MB and the facts they were built for."""
+    """The packages in the cache directory: path, size in MB and the facts they were built for
+    (none where the facts file beside one is missing or unreadable)."""
     out = []
     for pt2 in _package_files(package_dir(cache_dir)):
         meta = pt2.with_suffix(".json")
-        facts = json.loads(meta.read_text()) if meta.is_file() else {}
+        try:
+            facts = json.loads(meta.read_text()) if meta.is_file() else {}
+        except (OSError, ValueError):
+            facts = {}
         kind = pt2.name.split("-", 1)[0]  # one of PACKAGE_KINDS
         out.append({"path": str(pt2), "kind": kind, "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
     return out
@@ -510,18 +514,9 @@ def stale_packages(cache_dir: str | Path | None = None) -> list[Path]:
     Packages for other models, engine shapes or CPU capabilities (a cache directory shared by
     machines) are not stale."""
     current = {kind: source_digest(sources) for kind, sources in KIND_SOURCES.items()}
-    stale = []
-    for pt2 in _package_files(package_dir(cache_dir)):
-        meta = pt2.with_suffix(".json")
-        try:
-            facts = json.loads(meta.read_text()) if meta.is_file() else {}
-        except (OSError, ValueError):
-            facts = {}
-        kind = pt2.name.split("-", 1)[0]
-        if (facts.get("source") != current[kind] or facts.get("torch") != torch.__version__
-                or facts.get("format") != PACKAGE_FORMAT):
-            stale.append(pt2)
-    return stale
+    return [Path(pkg["path"]) for pkg in list_packages(cache_dir)
+            if pkg.get("source") != current[pkg["kind"]] or pkg.get("torch") != torch.__version__
+            or pkg.get("format") != PACKAGE_FORMAT]
 
 
 def remove_stale_packages(cache_dir: str | Path | None = None) -> tuple[int, float]:
