@@ -72,9 +72,9 @@ def rotate_engines(runners: list, turn: int) -> None:
         if isinstance(r, AdaptRunner) and r.loaded is not None:
             kinds.setdefault(r.engine_kind, []).append(r)
     for group in kinds.values():
-        on = rotated_engines({id(r): r.loaded for r in group}, [id(r) for r in group], turn)
+        on = rotated_engines({r.name: r.loaded for r in group}, [r.name for r in group], turn)
         for r in group:
-            r.engine = on[id(r)]
+            r.engine = on[r.name]
 
 
 def drive(sessions: dict) -> dict:
