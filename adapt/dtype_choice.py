@@ -57,7 +57,7 @@ def choice_facts(target, drafter, compile_choice: str = "auto", max_batch: int =
     from pathlib import Path
 
     from adapt.profile_cache import machine_facts, model_digest
-    from workers.aot import list_packages
+    from workers.package_cache import list_packages
     from workers.engine import EngineConfig
 
     max_len = int(max_len or EngineConfig.max_len)

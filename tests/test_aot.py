@@ -18,8 +18,8 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import (MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass, list_packages,
-                         package_dir)
+from workers.aot import MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass
+from workers.package_cache import list_packages, package_dir
 from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.kv_cache import KVCache
 from workers.request import DecodeKnobs, SamplingParams

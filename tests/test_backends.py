@@ -96,7 +96,7 @@ def test_a_compiled_engine_pads_and_compiles_its_steps(pair):
 
 
 def test_auto_without_a_package_is_eager_and_builds_nothing(pair, tmp_path, monkeypatch):
-    from workers.aot import list_packages
+    from workers.package_cache import list_packages
 
     monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
     engine = _engine(pair, compile="auto")

@@ -23,7 +23,8 @@ import json, torch
 from workers.kv_cache import KVCache
 from adapt.dtype_choice import choice_facts
 from adapt.profile_cache import key_digest, machine_facts
-from workers.aot import _shared_facts, SOURCES
+from workers.aot import _shared_facts
+from workers.package_cache import SOURCES
 from workers.cpu_capability import capability_label, effective_capability
 from workers.wide_rows import _key
 torch.set_num_threads(1)

@@ -28,7 +28,8 @@ A package holds the target's weights as constants and the cache's shape as a con
 **key** covers what it was built from: the weights' bytes, dtype, captured layers, cache shape
 and dtype, `tmax`, torch's version, the CPU's vector capability and the source of the forward
 (this file, `target_model.py`, `layers.py`, `kv_cache.py`). Any change builds a new package; old
-ones stay until removed (`adapt compile --list`). Packages are built on this machine and read
+ones stay until removed (`adapt compile --prune`). The folder, the keys, listing and pruning live in
+workers/package_cache.py, outside those files. Packages are built on this machine and read
 only from its own cache directory: loading one runs the native code it contains, like torch's own
 compile cache, and nothing is ever downloaded or unpickled.
 """
@@ -38,7 +39,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -49,14 +49,9 @@ from torch import nn
 from workers.atomic_file import write_text_atomic
 from workers.cpu_capability import capability_label
 from workers.package_loader import load_package
-from workers.pull import cache_root
+from workers.package_cache import (CONTEXT_SOURCES, DRAFT_SOURCES, PACKAGE_FORMAT, SOURCES, facts_files, package_dir,
+                                   package_key, source_digest)
 
-PACKAGE_FORMAT = 1
-SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in workers/: the forward's code
-DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
-CONTEXT_SOURCES = (*DRAFT_SOURCES, "target_model.py")  # the context commit's code (its cache write: `write_kv`)
-PACKAGE_KINDS = ("decode", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
-KIND_SOURCES = dict(zip(PACKAGE_KINDS, (SOURCES, DRAFT_SOURCES, CONTEXT_SOURCES)))
 MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 
 
@@ -116,25 +111,10 @@ def _shared_facts(sources: tuple[str, ...], cache) -> dict:
             "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": source_digest(sources)}
 
 
-def source_digest(sources: tuple[str, ...]) -> str:
-    """sha256 over the code a package compiled (`sources`, files in workers/)."""
-    here = Path(__file__).resolve().parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in sources)).hexdigest()
-
-
 def package_facts(target: nn.Module, capture: tuple[int, ...], cache, tmax: int) -> dict:
     """Everything a package depends on besides the weights (which `weights_digest` covers)."""
     return {**_shared_facts(SOURCES, cache), "dtype": str(next(target.parameters()).dtype),
             "capture": list(capture), "tmax": int(tmax)}
-
-
-def package_key(facts: dict, weights: str) -> str:
-    return hashlib.sha256(json.dumps({**facts, "weights": weights}, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def package_dir(cache_dir: str | Path | None = None) -> Path:
-    """Where packages live: <cache>/aot (workers/pull.py's cache root)."""
-    return cache_root(cache_dir) / "aot"
 
 
 def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, path: Path) -> float:
@@ -461,7 +441,7 @@ def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: 
     folder = package_dir(cache_dir)
     missing = ("no compiled package {} for this model and engine shape; build it with `adapt compile` "
                "(or --compile aot, which builds it on first use)")
-    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in _facts_files(folder, prefix)]
+    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in facts_files(folder, prefix)]
     if not build and facts not in built_for:  # no package of this shape at all: spare hashing the weights
         raise FileNotFoundError(missing.format(f"in {folder}"))
     key = package_key(facts, digest())
@@ -479,61 +459,3 @@ def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: 
     runner = load_package(path)
     info["load_s"] = round(time.perf_counter() - t0, 2)
     return runner, info
-
-
-def _facts_files(folder: Path, prefix: str) -> list[dict]:
-    """The facts written beside each `prefix` package in `folder` (`package_facts` or
-    `draft_facts`, plus "built_s")."""
-    return [json.loads(f.read_text()) for f in sorted(folder.glob(f"{prefix}-*.json"))] if folder.is_dir() else []
-
-
-def _package_files(folder: Path) -> list[Path]:
-    """The packages in `folder`: the targets' decode steps, the drafters' passes, their context commits."""
-    return [p for kind in PACKAGE_KINDS for p in sorted(folder.glob(f"{kind}-*.pt2"))]
-
-
-def list_packages(cache_dir: str | Path | None = None) -> list[dict]:
-    """The packages in the cache directory: path, size in MB and the facts they were built for
-    (none where the facts file beside one is missing or unreadable)."""
-    out = []
-    for pt2 in _package_files(package_dir(cache_dir)):
-        meta = pt2.with_suffix(".json")
-        try:
-            facts = json.loads(meta.read_text()) if meta.is_file() else {}
-        except (OSError, ValueError):
-            facts = {}
-        kind = pt2.name.split("-", 1)[0]  # one of PACKAGE_KINDS
-        out.append({"path": str(pt2), "kind": kind, "mb": round(pt2.stat().st_size / 2**20, 1), **facts})
-    return out
-
-
-def stale_packages(cache_dir: str | Path | None = None) -> list[Path]:
-    """The packages no engine of this installation can load: built from other code (their
-    kind's `source_digest` differs: any change to the files of `KIND_SOURCES` makes new keys), by
-    another torch or in another package format, or without the facts file written beside each.
-    Packages for other models, engine shapes or CPU capabilities (a cache directory shared by
-    machines) are not stale."""
-    current = {kind: source_digest(sources) for kind, sources in KIND_SOURCES.items()}
-    return [Path(pkg["path"]) for pkg in list_packages(cache_dir)
-            if pkg.get("source") != current[pkg["kind"]] or pkg.get("torch") != torch.__version__
-            or pkg.get("format") != PACKAGE_FORMAT]
-
-
-def remove_stale_packages(cache_dir: str | Path | None = None) -> tuple[int, float]:
-    """Delete `stale_packages` and their facts files; returns (how many, MB freed)."""
-    stale = stale_packages(cache_dir)
-    mb = 0.0
-    for pt2 in stale:
-        mb += pt2.stat().st_size / 2**20
-        pt2.unlink()
-        pt2.with_suffix(".json").unlink(missing_ok=True)
-    return len(stale), round(mb, 1)
-
-
-def remove_packages(cache_dir: str | Path | None = None) -> int:
-    """Delete every package (and its facts file); returns how many packages there were."""
-    folder = package_dir(cache_dir)
-    n = len(_package_files(folder))
-    if folder.is_dir():
-        shutil.rmtree(folder)
-    return n

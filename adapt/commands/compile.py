@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from workers.aot import list_packages, remove_packages, remove_stale_packages
+    from workers.package_cache import list_packages, remove_packages, remove_stale_packages
 
     if args.list:
         for pkg in list_packages():

@@ -59,7 +59,7 @@ def chosen(pair: str, target, drafter, cache_dir, compile_choice: str) -> dict:
     import torch
 
     from adapt.dtype_choice import choice_facts, stored_choice
-    from workers.aot import list_packages
+    from workers.package_cache import list_packages
     from workers.backends import resolve_backend
 
     out: dict = {"pair": pair, "target": str(target), "drafter": None if drafter is None else str(drafter)}
@@ -87,7 +87,7 @@ def chosen(pair: str, target, drafter, cache_dir, compile_choice: str) -> dict:
 def cached(cache_dir) -> dict:
     """What the cache directory holds: models, compiled packages, profiles, with sizes."""
     from adapt.profile_cache import list_profiles
-    from workers.aot import list_packages
+    from workers.package_cache import list_packages
     from workers.pull import cache_root
 
     root = cache_root(cache_dir)
