@@ -138,7 +138,7 @@ def resolve_engine_dtype(config: dict, cache_dir: str | os.PathLike | None = Non
         timing = {k: config[k] for k in ("target", "drafter", "device", "compile", "aot_build") if k in config}
 
         def make_engine(dtype: str):
-            engine = Engine(EngineConfig(**timing, dtype=dtype, max_batch=1))
+            engine = Engine(EngineConfig(**timing, dtype=dtype, max_batch=1, huge_pages=False))  # a few timings: not worth ~3 s
             engine.warm_up()
             return engine
 

@@ -5,7 +5,8 @@
 
 Prints the machine's capability (CPU model, the instruction sets torch's kernels and oneDNN
 really use, and the environment variables that limit them: workers/cpu_capability.py; cores and
-torch threads, torch version, CUDA devices), the dtype and step backend `adapt generate` would
+torch threads, torch version, CUDA devices, the kernel's transparent huge page mode:
+workers/huge_pages.py), the dtype and step backend `adapt generate` would
 use for the pair and why (a measured `--dtype auto` choice, adapt/dtype_choice.py; the compiled
 packages `--compile auto` loads, workers/aot.py), and what the cache directory holds: pulled
 models, compiled packages, stored cost profiles and dtype choices (adapt/profile_cache.py), with
@@ -43,6 +44,7 @@ def machine() -> dict:
     import torch
 
     from adapt.profile_cache import cpu_facts
+    from workers import huge_pages
 
     try:
         native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -51,7 +53,7 @@ def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return dict(cpu_facts(), native_bf16_matmul=native_bf16, cores=cores, torch_threads=torch.get_num_threads(),
-                torch=torch.__version__, cuda=cuda)
+                torch=torch.__version__, cuda=cuda, transparent_huge_pages=huge_pages.thp_mode())
 
 
 def chosen(pair: str, target, drafter, cache_dir, compile_choice: str) -> dict:
@@ -122,6 +124,8 @@ def _text(info: dict) -> str:
                 f"this process runs below the CPU's flags, and profiles, dtype choices and packages are kept "
                 f"apart for it"] if limited else []),
              f"  cuda: {', '.join(m['cuda']) or 'none'}",
+             f"  transparent huge pages: {m['transparent_huge_pages'] or 'not available'} (engines move their weights "
+             f"onto them where the kernel allows: workers/huge_pages.py)",
              f"pair {c['pair']}: target {c['target']}",
              f"  dtype: {c['dtype']['dtype'] or '-'}: {c['dtype']['why']}",
              f"  step backend: {c['step_backend']['backend']}: {c['step_backend']['why']}",
