@@ -92,11 +92,13 @@ def step_backend(engine) -> str:
 
 
 def engine_facts(engine) -> dict[str, Any]:
-    """The profile key's parts that come from ``engine`` (machine, models, dtype, backend, shape)."""
+    """The profile key's parts that come from ``engine`` (machine, models, dtype, backend, shape,
+    whether its memory is on huge pages: steps ~1.05-1.14x faster, workers/huge_pages.py)."""
     cfg = engine.config
     return {"machine": machine_facts(engine.device), "target": model_digest(cfg.target),
             "drafter": model_digest(cfg.drafter), "dtype": str(engine.dtype).removeprefix("torch."),
             "backend": step_backend(engine), "pack": bool(getattr(engine, "pack", False)),
+            "huge_pages": bool(getattr(engine, "huge_pages", None)),
             "max_batch": int(cfg.max_batch), "max_len": int(engine.max_len), "block": int(engine.block)}
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from adapt.cli import main
+from workers import huge_pages
 from tests.tiny_models import make_tiny_pair, single_thread
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
@@ -33,9 +34,11 @@ def test_json_output_and_autoregressive_equality(capsys, pair):
         assert key in st
     assert st["tokens"] == len(spec["token_ids"]) == 20 and st["tokens_per_s"] > 0
     assert st["tau"] == pytest.approx(20 / st["target_passes"])
-    ar = generate(capsys, pair, "--draft-len", "0")
+    assert st["huge_pages"] is None  # off unless asked (workers/huge_pages.py)
+    ar = generate(capsys, pair, "--draft-len", "0", "--huge-pages")
     assert ar["stats"]["tau"] == 1.0 and ar["stats"]["target_passes"] == 20
     assert ar["token_ids"] == spec["token_ids"] and ar["text"] == spec["text"]  # greedy: same tokens
+    assert ar["stats"]["huge_pages"]["thp"] == huge_pages.thp_mode()  # moved where the kernel allows
 
 
 def test_sampled_run_is_reproducible_and_lenient_reports_tvd(capsys, pair):

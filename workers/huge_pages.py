@@ -8,15 +8,15 @@ allocator asks. `back_with_huge_pages`, called once an engine is loaded, asks fo
 anonymous region of the process (``madvise(MADV_HUGEPAGE)``) and has the kernel move it onto huge
 pages at once (``MADV_COLLAPSE``, Linux 6.1+; older kernels collapse in the background, slowly).
 
-Measured on a 2-core AMD EPYC (AVX-512) VM, SmolLM2 with compiled packages: moving ~920 MB takes
-2.5-4.4 s, after which decoding runs ~1.1x faster (results/ab/smollm2/huge-pages/,
+Measured on a 2-core AMD EPYC (AVX-512) VM, SmolLM2 with compiled packages: moving ~840 MB takes
+1.8-5.2 s, after which decode forwards run 1.05-1.14x faster (results/ab/smollm2/huge-pages/,
 `python -m adapt.bench.instruments.huge_pages`). So engines that live long (`adapt serve`'s
 workers, the benchmarks) do it by default (`EngineConfig.huge_pages`); `adapt generate` does not
 (a 128-token answer decodes in ~2 s; `--huge-pages` turns it on).
 
-Asking for huge pages on every allocation instead (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``) made
-`adapt generate` decode 0.7x as fast: the step's temporary buffers were each faulted in as fresh,
-zeroed 2 MB pages.
+Asking for huge pages on every allocation instead (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, read
+at process start) made `adapt generate` decode at 47 and 51 tok/s against 69 and 72 without (runs
+alternating): the step's temporary buffers were each faulted in as fresh, zeroed 2 MB pages.
 """
 
 from __future__ import annotations
