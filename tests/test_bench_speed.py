@@ -261,9 +261,11 @@ def test_a_mixed_workload_is_reported_per_class(tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "speed", "--pair", "demo", "--workload", "mixed", "--dtype", "float32", "--batch-sizes", "1",
                  "--num-prompts", "3", "--max-tokens", "4", "--rounds", "2", "--threads", "1",
-                 "--rows", "adapt-ar,adapt-policy,adapt-k2,hf", "--interleave", "--no-profile", "--out", str(out)]) == 0
+                 "--rows", "adapt-ar,adapt-policy,adapt-k2,adapt-suffix-drafter,hf", "--interleave", "--no-profile",
+                 "--out", str(out)]) == 0
     rep = json.loads((out / "speed.json").read_text())
     assert rep["config"]["prompt_classes"] == ["chat", "code", "edit"]
+    assert {e["row"] for e in rep["results"]} == {"adapt-ar", "adapt-policy", "adapt-k2", "adapt-suffix-drafter", "hf"}
     for e in rep["results"]:
         assert set(e["per_class"]) == {"chat", "code", "edit"}, e["row"]
         for v in e["per_class"].values():
@@ -272,7 +274,7 @@ def test_a_mixed_workload_is_reported_per_class(tmp_path):
     assert set(by_class) == {"chat", "code", "edit"}
     for cls, per_batch in by_class.items():
         entry = per_batch["1"]
-        assert entry["best_static"] in ("adapt-ar", "adapt-k2") and entry["ratio"] > 0
+        assert entry["best_static"] in ("adapt-ar", "adapt-k2", "adapt-suffix-drafter") and entry["ratio"] > 0
         assert len(entry["over_ar"]["rounds"]) == 2
     assert "Per prompt class" in (out / "speed.md").read_text()
 

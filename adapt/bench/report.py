@@ -61,8 +61,8 @@ HEADLINES = (
     # long contexts), each class against the static configurations and vLLM
     Headline("speed",
              ("--workload", "longdoc-chat", "--batch-sizes", "1", "--num-prompts", "8",
-              "--rows", "adapt-ar,adapt-policy,adapt-suffix,adapt-k4,vllm,vllm-ngram",
-              "--threads", "2", "--rounds", "3", "--interleave", "--compile", "aot"),
+              "--rows", "adapt-ar,adapt-policy,adapt-suffix,adapt-suffix-drafter,adapt-k4,vllm,vllm-ngram",
+              "--threads", "2", "--rounds", "4", "--interleave", "--compile", "aot"),
              ("--workload", "mixed", "--batch-sizes", "1", "--num-prompts", "3", "--max-tokens", "8",
               "--rows", "adapt-ar,adapt-policy,adapt-k4", "--threads", "2", "--rounds", "1", "--interleave",
               "--compile", "off", "--no-profile"),

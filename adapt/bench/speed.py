@@ -21,6 +21,7 @@ each batch size: the prompts run in groups of `batch`, a group decoded together.
 | `adapt-ar` | our `Engine`, every request at `--draft-len 0` (autoregressive; drafter loaded as in `adapt generate`) |
 | `adapt-target` | our `Engine` without a drafter: the bare autoregressive path (not run by default) |
 | `adapt-suffix` | our `Engine` without a drafter, static suffix drafts (workers/suffix.py; up to 16 tokens) |
+| `adapt-suffix-drafter` | `adapt-suffix` on an engine with the drafter loaded, the policy rows' engine kind: under `--interleave` it decodes on their engines in turn (`rotated_engines`), so its ratio to them carries no engine offset |
 | `adapt-ar-eager`, `adapt-policy-eager` | `adapt-ar`, `adapt-policy` on eager steps whatever `--compile` says (compiled against eager in one run) |
 | `adapt-kN`, `adapt-kN-sS` | our `Engine`, static diffusion drafts of N tokens with S denoising steps (default 1) for every request |
 | `adapt-policy@KEY=VALUE[+KEY=VALUE]` | `adapt-policy` with these settings of the adaptive policy (docs/policies.md; values are JSON, or plain strings), e.g. `adapt-policy@closed_model=weight`: A/B a setting side by side with the default (`--interleave`) |
@@ -88,6 +89,7 @@ ROWS = {
     "adapt-ar": "adapt --draft-len 0",
     "adapt-target": "adapt, no drafter",
     "adapt-suffix": "adapt, suffix drafts only",
+    "adapt-suffix-drafter": "adapt, suffix drafts only, drafter loaded",
     "adapt-ar-eager": "adapt --draft-len 0, eager",
     "adapt-policy-eager": "adapt, adaptive policy, eager",
     "hf": "transformers generate",
@@ -96,7 +98,7 @@ ROWS = {
     "vllm-ngram": "vLLM CPU + ngram",
 }
 # our rows whose decisions are fixed for every request and pass (with `adapt-kN` rows)
-STATIC_ROWS = ("adapt", "adapt-ar", "adapt-target", "adapt-suffix", "adapt-ar-eager")
+STATIC_ROWS = ("adapt", "adapt-ar", "adapt-target", "adapt-suffix", "adapt-suffix-drafter", "adapt-ar-eager")
 # (ours, theirs): the comparisons the speed targets are about
 RATIOS = (("adapt-ar", "vllm"), ("adapt-target", "vllm"), ("adapt-ar", "adapt-ar-eager"),
           ("adapt-policy", "adapt-policy-eager"), ("adapt-policy-eager", "adapt-ar-eager"), ("adapt", "vllm-ngram"),
@@ -293,7 +295,7 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
     runners, skipped = {}, {}
     target = args.target.resolve()
     drafter = None if args.drafter is None else args.drafter.resolve()
-    for row in ["adapt", "adapt-policy", "adapt-policy-eager"] + [r for r in rows if static_row(r) or policy_variant(r) is not None]:
+    for row in ["adapt", "adapt-policy", "adapt-policy-eager", "adapt-suffix-drafter"] + [r for r in rows if static_row(r) or policy_variant(r) is not None]:
         if row in rows and (drafter is None or not (drafter / "config.json").is_file()):
             skipped[row] = f"no drafter at {drafter}" if drafter is not None else f"the {args.pair} pair has no drafter"
     for row in ("adapt-ar", "adapt-ar-eager"):
@@ -329,6 +331,8 @@ def build_runners(args, rows, dtype, max_batch, max_len, threads):
             runners[row] = AdaptRunner(row, label, target, None, **engine, draft_len=0)
         elif row == "adapt-suffix":
             runners[row] = AdaptRunner(row, label, target, None, **engine, source="suffix")
+        elif row == "adapt-suffix-drafter":
+            runners[row] = AdaptRunner(row, label, target, drafter, **engine, source="suffix")
         elif row in ("hf", "hf-lookup"):
             runners[row] = HFRunner(row, label, target, dtype, lookup=row == "hf-lookup")
         else:

@@ -86,7 +86,6 @@ def default_policy(policy: str | None, policy_file: str | None, shipped: Path | 
 
 def run(args) -> int:
     import logging
-    import signal
     import time
 
     from adapt.serving.launcher import start_stack

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 from pathlib import Path
 
 KINDS = ("chat", "code", "edit")  # the mixed workload's rotation (adapt/bench/workloads.py)
