@@ -98,7 +98,7 @@ def engine_facts(engine) -> dict[str, Any]:
     return {"machine": machine_facts(engine.device), "target": model_digest(cfg.target),
             "drafter": model_digest(cfg.drafter), "dtype": str(engine.dtype).removeprefix("torch."),
             "backend": step_backend(engine), "pack": bool(getattr(engine, "pack", False)),
-            "huge_pages": bool(getattr(engine, "huge_pages", None)),
+            "huge_pages": bool((getattr(engine, "huge_pages", None) or {}).get("mb")),  # memory really moved
             "max_batch": int(cfg.max_batch), "max_len": int(engine.max_len), "block": int(engine.block)}
 
 
