@@ -74,7 +74,7 @@ def run(args) -> int:
     for rows in args.max_batch:
         engine = Engine(EngineConfig(target=str(target), drafter=None if drafter is None else str(drafter),
                                      dtype=args.dtype, device=args.device, max_batch=rows, max_len=args.max_len,
-                                     compile="aot", aot_build=True))
+                                     compile="aot", aot_build=True, huge_pages=False))  # builds, decodes nothing
         print(json.dumps({"max_batch": rows, "max_len": args.max_len, **engine.backend.info}), flush=True)
         del engine
     return 0
