@@ -233,3 +233,60 @@ def test_a_uniform_slowdown_seen_on_plain_steps_keeps_the_price_of_drafting():
     assert c.step_ms_at(1.0) == pytest.approx(1.5 * CostModel().step_ms_at(1.0), rel=0.02)
     assert c.step_ms_at(5.0, [1]) / c.step_ms_at(1.0) == pytest.approx(ratio, rel=0.03)
     assert all(a <= b for a, b in zip(c.verify.ys.tolist(), c.verify.ys.tolist()[1:]))
+
+
+def test_a_context_price_charges_attention_and_passes_past_the_profiled_context():
+    """Past the profiled context each row's first query, each further verified query and each
+    row of a drafter pass add their own ms per 1,000 cached positions; the tensor and scalar paths
+    agree; without a context (or at the profiled one) the tables alone price a step."""
+    from adapt.cost_model import ContextPrice
+
+    c = CostModel(Table([1, 100], [10, 20]), Table([1, 11], [1, 2]), overhead_ms=1.0,
+                  context_price=ContextPrice(base=100, row=3.0, query=1.0, draft=2.0))
+    plain, wide = c.step_ms_at(2.0), c.step_ms_at(10.0, [2])
+    c.context = (100, 2)
+    assert c.step_ms_at(2.0) == pytest.approx(plain) and c.step_ms_at(10.0, [2]) == pytest.approx(wide)
+    c.context = (2100, 2)  # 2,000 positions past the profiled context, two rows
+    assert c.step_ms_at(2.0) == pytest.approx(plain + 2 * 3.0 * 2)
+    # 10 tokens for 2 rows: 8 further queries; one pass of 2 rows
+    assert c.step_ms_at(10.0, [2]) == pytest.approx(wide + 2 * (3.0 * 2 + 1.0 * 8) + 2 * 2.0 * 2)
+    assert float(c.step_ms(10.0, torch.tensor([2]))) == pytest.approx(c.step_ms_at(10.0, [2]))
+    assert c.step_ms(torch.tensor([2.0, 10.0])).tolist() == pytest.approx([c.step_ms_at(2.0), c.step_ms_at(10.0)])
+    assert c.draft_ms_at([2]) == pytest.approx(float(c.draft_ms(torch.tensor([2]))))
+    c.context = None
+    assert c.step_ms_at(10.0, [2]) == pytest.approx(wide)
+
+
+def test_a_context_price_round_trips_scales_with_plain_steps_and_rejects_bad_values():
+    from adapt.cost_model import ContextPrice
+
+    c = CostModel(Table([1, 100], [10, 20]), Table([1, 11], [1, 2]), context_price=ContextPrice(64, 3.0, 1.0, 2.0))
+    again = CostModel.from_dict(c.to_dict())
+    assert again.context_price == c.context_price
+    assert CostModel.from_dict({k: v for k, v in c.to_dict().items() if k != "context_price"}).context_price == ContextPrice()
+    c.observe(1.0, [], 20.0)  # a plain step at twice its price: one speed factor for every part
+    factor = c.verify.at(1.0) / 10.0
+    assert factor > 1.0 and c.context_price.row == pytest.approx(3.0 * factor) and c.context_price.base == 64
+    with pytest.raises(ValueError, match="context_price"):
+        CostModel.from_dict({**c.to_dict(), "context_price": {"base": 64, "row": -1.0}})
+    with pytest.raises(ValueError, match="context_price"):
+        CostModel.from_dict({**c.to_dict(), "context_price": [1, 2]})
+
+
+def test_price_context_reads_what_far_positions_add_to_each_call():
+    """`price_context` times one- and wide-token forwards and a one-row pass near and far, and
+    prices what the far positions add, per 1,000 positions (callables that sleep by a known law)."""
+    from adapt.controller import price_context
+
+    def verify_fn(n, at):  # 4 ms per 1,000 positions for the first query, 2 for each further one
+        time.sleep(1e-3 + at * 1e-6 * (4.0 + 2.0 * (n - 1)))
+
+    def draft_fn(rows, at):
+        time.sleep(1e-3 + at * 1e-6 * 3.0 * rows)
+
+    price = price_context(verify_fn, draft_fn, near=64, far=1064, wide=3, repeats=5)
+    assert price.base == 64
+    assert price.row == pytest.approx(4.0, rel=0.3) and price.query == pytest.approx(2.0, rel=0.3)
+    assert price.draft == pytest.approx(3.0, rel=0.3)
+    assert price_context(verify_fn, None, near=64, far=200, wide=3, repeats=1) == (64, 0.0, 0.0, 0.0)
+    assert price_context(verify_fn, None, near=64, far=1064, wide=3, repeats=2).draft == 0.0

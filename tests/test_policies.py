@@ -794,3 +794,50 @@ def test_step_costs_are_learned_per_context_bucket():
         long = dataclasses.replace(rows, position=torch.full((1,), 1800))
         p.before_draft(long)
         assert (("draft", 1) in p.costs.step_residual) is not by_context
+
+
+def test_the_policy_prices_steps_at_its_batchs_longest_context():
+    """Before it decides, the adaptive policy sets the cost model's context to its batch's longest
+    row and its row count (`context_price`); with the setting off the tables alone price steps."""
+    import dataclasses
+
+    from adapt.cost_model import ContextPrice, CostModel
+
+    rows = dataclasses.replace(make_rows(2, 16), position=torch.tensor([300, 1800]))
+    for on in (True, False):
+        cost = CostModel(context_price=ContextPrice(64, 3.0, 1.0, 2.0))
+        p = policies.get("adaptive", hold_max=0, online_cost=False, cost=cost, context_price=on)
+        p.before_draft(rows)
+        assert p.cost.context == ((1800, 2) if on else None)
+        if on:
+            assert p.cost.step_ms_at(2.0) == pytest.approx(CostModel().step_ms_at(2.0) + 1.736 * 3.0 * 2)
+
+
+def test_diffusion_acceptance_is_learned_per_context_bucket():
+    """The plan's diffusion recalibration keeps its sums per context bucket (`accept_by_context`):
+    drafts that failed over long documents leave a short chat request's ratio at its prior, and
+    the documents' ratio comes back when a long row does."""
+    from policies.adaptive.calibration import DiffusionAcceptance
+
+    acc = DiffusionAcceptance()
+    acc.use_context(1800)
+    for _ in range(20):  # each draft predicted 1 extra token and won none
+        acc.observe(1, (torch.tensor([1.0]), torch.tensor([0])), torch.tensor([0]), torch.tensor([0.0]))
+    low = float(acc.ratio(1)[0, 0])
+    assert low < 0.6
+    acc.use_context(300)
+    assert float(acc.ratio(1)[0, 0]) == 1.0
+    acc.use_context(1900)
+    assert float(acc.ratio(1)[0, 0]) == pytest.approx(low)
+
+    rows = dataclasses_replace_position(make_rows(1, 16), 1800)
+    for by_context in (True, False):
+        p = policies.get("adaptive", hold_max=0, online_cost=False, accept_by_context=by_context)
+        p.before_draft(rows)
+        assert (p.diffusion.context == 2048) is by_context
+
+
+def dataclasses_replace_position(rows, length):
+    import dataclasses
+
+    return dataclasses.replace(rows, position=torch.full((len(rows.request_ids),), length))

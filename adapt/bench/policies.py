@@ -162,11 +162,16 @@ def chat_prompt_limit(length: int) -> int:
     return 4 * length + 256
 
 
+LONGDOC_PROMPT_LIMIT = 2304  # tokens: a longdoc prompt stays under ~2,300 (adapt/bench/workloads.py)
+
+
 def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off",
                     aot_pad: bool = False):
     """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
-    `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens) plus
-    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`). `compile`,
+    `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens, or
+    `LONGDOC_PROMPT_LIMIT` for the long-document workloads, whose prompts cut to the chat limit
+    would be short contexts) plus `max_tokens` new tokens, and those prompts as token ids
+    (`workload_prompts`). `compile`,
     `aot_pad`: the engine's (`EngineConfig.compile`, "aot" building its package first when
     missing; `EngineConfig.aot_pad`)."""
     from workers.engine import Engine, EngineConfig
@@ -174,7 +179,7 @@ def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, c
 
     spec = get_pair(pair)
     spec.prepare()
-    limit = chat_prompt_limit(64)
+    limit = LONGDOC_PROMPT_LIMIT if workload.startswith("longdoc") else chat_prompt_limit(64)
     engine = Engine(EngineConfig(target=spec.target, drafter=spec.drafter, device="auto", dtype="auto",
                                  max_batch=max_batch, max_len=limit + max_tokens + 8, compile=compile,
                                  aot_pad=aot_pad))
