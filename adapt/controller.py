@@ -17,7 +17,6 @@ glue between policy files, engines and policies.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Annotated, Literal
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, ContextPrice, CostModel, Table, sweep_medians
+from adapt.cost_model import DEFAULT_ROW_GRID, PROFILE_TOKEN_GRID, CostModel, Table
 from adapt.policy_file import PolicyFile, PolicyFileError, load
 from policies.adaptive.settings import AdaptiveSettings, drop_removed
 from workers.decisions import StaticDecisions
@@ -160,10 +159,6 @@ def reload(decision_maker, policy, keep_cost: bool = False) -> str:
 
 
 PROFILE_SPAN = 4  # drafts per speculative step when profiling the drafting extra (`profile_engine`)
-# cached positions at which `price_context` times the long-context forwards (at most; the engine's
-# room decides below it), and the least room past the tables' context worth pricing
-CONTEXT_PROFILE_LEN = 2048
-CONTEXT_PROFILE_MIN = 256
 
 
 @torch.inference_mode()
@@ -210,33 +205,33 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     dr = engine.drafter
 
-    def verify_fn(n: int, at: int = context) -> None:
+    def verify_fn(n: int) -> None:
         b = max(1, min(max_b, n // (K + 1) or 1))
         t = max(1, -(-n // b))
-        t = min(t, width_cap - at - 1)
+        t = min(t, width_cap - context - 1)
         ids = torch.zeros(b, t, dtype=torch.long, device=dev)
-        start = torch.full((b,), at, dtype=torch.long, device=dev)
-        _, hidden = engine.target_forward(ids, start, engine.tcache, 0, at + t, start_value=at)
+        start = torch.full((b,), context, dtype=torch.long, device=dev)
+        _, hidden = engine.target_forward(ids, start, engine.tcache, 0, context + t, start_value=context)
         if dr is not None:
             engine.pending[:b, :t] = hidden[:, : engine.pending.shape[1]]
 
     draft_fn = None
     if dr is not None:
 
-        def draft_fn(rows: int, span: int = K, at: int = context) -> None:
+        def draft_fn(rows: int, span: int = K) -> None:
             # as the engine drafts: commit two context positions, one pass over [anchor, MASK x span]
             # (the drafter package's where it takes the shape: `DrafterContext.block_pass`)
             # with logits over the draft vocabulary, and their softmax
             b = min(rows, max_b)
             slots = torch.arange(b, device=dev)
-            start = torch.full((b,), at, dtype=torch.long, device=dev)
+            start = torch.full((b,), context, dtype=torch.long, device=dev)
             flushed = dr.context_kv(engine.pending[:b, :2], start[:, None] + torch.arange(2, device=dev))
             engine.dcache.write_rows(flushed, slots, start)
-            W = at + span + 1
+            W = context + span + 1
             tokens = torch.zeros(b, span + 1, dtype=torch.long, device=dev)
             masked = torch.ones(b, span + 1, dtype=torch.bool, device=dev)
             masked[:, 0] = False
-            positions = at + torch.arange(span + 1, device=dev).expand(b, span + 1)
+            positions = context + torch.arange(span + 1, device=dev).expand(b, span + 1)
             rope = dr.rope(positions, dr.mask_embedding.dtype, bound=engine.dcache.max_len)
             one_pass = engine.drafting.block_pass(engine.dcache.views(0, b, W), None, rope, b, span + 1, W)
             torch.softmax(one_pass(tokens, masked).float(), -1)
@@ -248,9 +243,6 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
     short = None if draft_fn is None or not engine.backend.partial_span else (lambda rows: draft_fn(rows, 1))
     cost = CostModel.profile(verify_fn, draft_fn, token_grid=token_grid, row_grid=grid_rows, repeats=repeats, sync=sync,
                              short_draft_fn=short, block=K, shuffle_seed=0 if shuffle else None)
-    room = min(width_cap, engine.dcache.max_len if dr is not None else width_cap) - K - 4
-    cost.context_price = price_context(verify_fn, draft_fn, context, min(room, CONTEXT_PROFILE_LEN),
-                                       min(K, PROFILE_SPAN) + 1, max(repeats, 5), sync)
     if overhead_steps > 0:
         # autoregressive and speculative steps in alternating short runs (a drift meets both)
         chunks = max(1, min(3, overhead_steps // 4))
@@ -268,26 +260,6 @@ def profile_engine(engine, token_grid=PROFILE_TOKEN_GRID[:15], row_grid=DEFAULT_
             cost.span = None
             cost.draft_pass = Table(cost.draft_pass.xs.tolist(), (cost.draft_pass.ys + extra).tolist(), "cost.draft_pass")
     return cost
-
-
-def price_context(verify_fn, draft_fn, near: int, far: int, wide: int, repeats: int, sync=None) -> ContextPrice:
-    """The `ContextPrice` of an engine whose tables were profiled at ``near`` cached positions:
-    a one-token and a ``wide``-token target forward and a one-row drafter pass (``draft_fn``;
-    None: no drafter), each at ``near`` and at ``far``, timed together in sweeps
-    (`sweep_medians`); what ``far`` adds to each, per 1,000 positions. Zeros where the engine holds
-    under `CONTEXT_PROFILE_MIN` positions more than ``near`` (its steps never reach a context
-    where the price would show)."""
-    if far - near < CONTEXT_PROFILE_MIN:
-        return ContextPrice(near)
-    calls = [functools.partial(verify_fn, n, at) for at in (near, far) for n in (1, wide)]
-    if draft_fn is not None:
-        calls += [functools.partial(draft_fn, 1, at=at) for at in (near, far)]
-    ms = sweep_medians(calls, repeats, 0, sync)
-    kpos = (far - near) / 1000.0
-    first = max(float(ms[2] - ms[0]), 0.0)                       # one query over the further positions
-    further = max(float(ms[3] - ms[1]) - first, 0.0) / max(wide - 1, 1)
-    drafted = max(float(ms[5] - ms[4]), 0.0) if draft_fn is not None else 0.0
-    return ContextPrice(near, first / kpos, further / kpos, drafted / kpos)
 
 
 class _FeatureReadingStatic(StaticDecisions):

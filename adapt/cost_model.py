@@ -7,12 +7,7 @@ verifies ``Σ_r (k_r + 1)`` tokens. So
     step_ms ≈ overhead_ms + verify_ms(num_tokens) + Σ_ℓ draft_pass_ms(rows with s ≥ ℓ)
 
 ``verify_ms`` and ``draft_pass_ms`` are tables with linear interpolation (as DSpark's SPS(B) table:
-flat while memory-bound, then linear once compute-bound), profiled over a short context. Attention
-reads the whole cached context, so a step over a long one costs more, and not alike for every
-size: each row's first query, each further verified query and each row of a drafter pass add their
-own ms per 1,000 cached positions (`ContextPrice`; on SmolLM2's compiled forward at 1,800 cached
-positions a one-token forward took 1.40x its cost at 150, a five-token one 1.95x). The tables are
-filled one of three ways:
+flat while memory-bound, then linear once compute-bound), filled one of three ways:
 
 - `CostModel.profile` times callables on a worker at start-up (the engine passes its own
   target / drafter forwards, see `adapt.controller.profile_engine`),
@@ -29,7 +24,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -228,34 +223,11 @@ def sweep_medians(calls: Sequence[Callable[[], None]], repeats: int, shuffle_see
     return np.median(samples, axis=0)
 
 
-class ContextPrice(NamedTuple):
-    """What a step costs beyond the tables per 1,000 cached positions past ``base`` (the context
-    the tables were profiled at), in ms: ``row`` for each row's first query (a plain step's
-    attention), ``query`` for each further query a row verifies, ``draft`` for each row of a
-    drafter pass. Zeros: the tables' price at every context (a model fitted from traces, or a
-    policy file without them)."""
-
-    base: int = 0
-    row: float = 0.0
-    query: float = 0.0
-    draft: float = 0.0
-
-    def check(self) -> "ContextPrice":
-        if not all(np.isfinite(v) and v >= 0 for v in self):
-            raise ValueError(f"cost.context_price: base and ms must be non-negative numbers, got {tuple(self)}")
-        return self
-
-    def scaled(self, factor: float) -> "ContextPrice":
-        return ContextPrice(self.base, self.row * factor, self.query * factor, self.draft * factor)
-
-
 class CostModel:
-    """Predicts step time (ms) from tokens in the target forward and rows per drafter pass, at the
-    context a policy set (`context`: the batch's longest row and its rows; None: the tables')."""
+    """Predicts step time (ms) from tokens in the target forward and rows per drafter pass."""
 
     def __init__(self, verify: Table | None = None, draft_pass: Table | None = None, overhead_ms: float = 0.0,
-                 rate: float = 0.05, source: str = "default", span_share: float = 1.0, block: int = 0,
-                 context_price: ContextPrice | None = None):
+                 rate: float = 0.05, source: str = "default", span_share: float = 1.0, block: int = 0):
         # default: a memory-bound-then-linear shape, in arbitrary but plausible CPU milliseconds
         self.verify = verify or Table(DEFAULT_TOKEN_GRID, [8.0, 8.2, 8.5, 9.5, 12, 18, 30, 55, 105, 205, 405],
                                       "cost.verify")
@@ -274,10 +246,6 @@ class CostModel:
         if not (np.isfinite(span_share) and 0.0 < span_share <= 1.0):
             raise ValueError(f"cost.span_share: must be in (0, 1], got {span_share!r}")
         self.span_share, self.block, self.span = float(span_share), int(block), None
-        self.context_price = (context_price or ContextPrice()).check()
-        # (longest row's cached positions, rows) of the batch the deciding policy prices now; every
-        # row is priced at the longest context, as the engine's batched attention reads it
-        self.context: tuple[int, int] | None = None
 
     # -- prediction (tensor code) ------------------------------------------------------------------
     def verify_ms(self, num_tokens: torch.Tensor | float) -> torch.Tensor:
@@ -290,48 +258,26 @@ class CostModel:
         f = min(max((self.span - 1) / (self.block - 1), 0.0), 1.0)
         return self.span_share + (1.0 - self.span_share) * f
 
-    def beyond_base(self) -> float:
-        """Thousands of cached positions past the profiled context at the current `context` (0
-        without one)."""
-        if self.context is None:
-            return 0.0
-        return max(self.context[0] - self.context_price.base, 0) / 1000.0
-
     def draft_ms(self, rows_per_pass: torch.Tensor) -> torch.Tensor:
         """rows_per_pass: [..., L] rows in each denoising pass (0 = pass not run) -> [...] ms."""
         r = torch.as_tensor(rows_per_pass, dtype=torch.float64)
-        per_row = self.beyond_base() * self.context_price.draft                     # a pass's attention, per row
-        passes = torch.where(r > 0, self.draft_pass(r) + per_row * r, torch.zeros_like(r))
-        return passes.sum(-1) * self.span_scale()
-
-    def attention_ms(self, num_tokens: torch.Tensor | float) -> torch.Tensor | float:
-        """What the target forward's attention over the current `context` costs beyond the table:
-        each row's first query at ``row``, the other ``num_tokens − rows`` at ``query``."""
-        far = self.beyond_base()
-        if far == 0.0:
-            return 0.0
-        rows = self.context[1]
-        price = self.context_price
-        if isinstance(num_tokens, torch.Tensor):
-            return far * (price.row * rows + price.query * (num_tokens - rows).clamp_min(0))
-        return far * (price.row * rows + price.query * max(float(num_tokens) - rows, 0.0))
+        return torch.where(r > 0, self.draft_pass(r), torch.zeros_like(r)).sum(-1) * self.span_scale()
 
     def step_ms(self, num_tokens: torch.Tensor | float, rows_per_pass: torch.Tensor | None = None) -> torch.Tensor:
-        t = self.overhead_ms + self.verify_ms(num_tokens) + self.attention_ms(torch.as_tensor(num_tokens))
+        t = self.overhead_ms + self.verify_ms(num_tokens)
         if rows_per_pass is not None:
             t = t + self.draft_ms(rows_per_pass)
         return t
 
     def step_ms_at(self, num_tokens: float, rows_per_pass: Sequence[int] | None = None) -> float:
         """`step_ms` for one step, in plain Python floats: ``rows_per_pass`` a list of row counts."""
-        t = self.overhead_ms + self.verify.at(float(num_tokens)) + self.attention_ms(float(num_tokens))
+        t = self.overhead_ms + self.verify.at(float(num_tokens))
         if rows_per_pass:
             t += self.draft_ms_at(rows_per_pass)
         return t
 
     def draft_ms_at(self, rows_per_pass: Sequence[int]) -> float:
-        per_row = self.beyond_base() * self.context_price.draft
-        return sum(self.draft_pass.at(float(r)) + per_row * r for r in rows_per_pass if r > 0) * self.span_scale()
+        return sum(self.draft_pass.at(float(r)) for r in rows_per_pass if r > 0) * self.span_scale()
 
     @staticmethod
     def rows_per_pass(steps: torch.Tensor, max_steps: int) -> torch.Tensor:
@@ -371,7 +317,6 @@ class CostModel:
             self.overhead_ms *= factor
             self.verify.scale(factor)
             self.draft_pass.scale(factor)
-            self.context_price = self.context_price.scaled(factor)
 
     # -- building the tables ----------------------------------------------------------------------
     @classmethod
@@ -446,24 +391,14 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"verify": self.verify.to_dict(), "draft_pass": self.draft_pass.to_dict(),
                 "overhead_ms": self.overhead_ms, "rate": self.rate, "source": self.source,
-                "span_share": self.span_share, "block": self.block, "context_price": self.context_price._asdict()}
+                "span_share": self.span_share, "block": self.block}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         return cls(Table.from_dict(data["verify"], "cost.verify"), Table.from_dict(data["draft_pass"], "cost.draft_pass"),
                    overhead_ms=float(data.get("overhead_ms", 0.0)), rate=float(data.get("rate", 0.05)),
                    source=str(data.get("source", "file")), span_share=float(data.get("span_share", 1.0)),
-                   block=int(data.get("block", 0)), context_price=_context_price(data.get("context_price")))
-
-
-def _context_price(data) -> ContextPrice:
-    """A `ContextPrice` from its dict ({base, row, query, draft}); zeros for None (a file without one)."""
-    if data is None:
-        return ContextPrice()
-    try:
-        return ContextPrice(int(data.get("base", 0)), *(float(data.get(k, 0.0)) for k in ("row", "query", "draft"))).check()
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"cost.context_price: expected {{base, row, query, draft}} numbers ({exc})") from None
+                   block=int(data.get("block", 0)))
 
 
 def _binned_median(x: np.ndarray, y: np.ndarray, grid: Sequence[float]) -> tuple[list[float], list[float]]:

@@ -43,7 +43,7 @@ from workers.atomic_file import write_text_atomic
 log = logging.getLogger(__name__)
 
 # Bump when what a stored profile means changes (what `profile_engine` times, the CostModel format).
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 1
 # Files of a model directory whose name, size and mtime make its digest.
 _MODEL_SUFFIXES = (".safetensors", ".bin", ".json", ".gguf")
 PROFILE_REPEATS = 3  # timed sweeps of the coarse grid (`CostModel.profile`); the policy corrects online

@@ -104,29 +104,12 @@ class DiffusionAcceptance:
     for a second drafter pass on most greedy steps.
 
     The sums are flat lists of 2 · S host floats (cell ``class · S + level``): a step updates one
-    or a few cells, which costs a dozen small tensor operations and no arithmetic worth one.
-
-    With `use_context` the sums are kept per **context bucket** (`context_bucket` of the batch's
-    longest row; `accept_by_context`): the drafter drafts a summary of a ~1,800-token document
-    worse than a chat answer (on SmolLM2 a new document row's one-token drafts won 0.26 tokens
-    where the plan, from the class's typical acceptance, predicted 0.56), and one ratio for both
-    lets each class's drafts price the other's."""
+    or a few cells, which costs a dozen small tensor operations and no arithmetic worth one."""
 
     def __init__(self):
         self.won: list[float] | None = None
         self.predicted: list[float] | None = None
         self.drafts = 0
-        self.context = context_bucket(0)  # the context bucket the sums belong to
-        self._by_context: dict[int, tuple] = {}  # the other buckets' (won, predicted)
-
-    def use_context(self, length: int) -> None:
-        """Predict and learn in the bucket of a batch whose longest row holds ``length`` tokens."""
-        bucket = context_bucket(length)
-        if bucket == self.context:
-            return
-        self._by_context[self.context] = (self.won, self.predicted)
-        self.won, self.predicted = self._by_context.pop(bucket, (None, None))
-        self.context = bucket
 
     def sums(self, S: int) -> tuple[list[float], list[float]]:
         """(won, predicted), made (zeros) at first use and again when the grid's size changed."""

@@ -114,19 +114,10 @@ class AdaptivePolicy(Policy):
         return self.use_suffix and self.cadence.left == 0
 
     def _use_context(self, rows) -> None:
-        """Price and learn at the context of ``rows`` (their longest row's length): the cost
-        model's context price (`context_price`), the step costs' bucket (`cost_by_context`) and
-        the diffusion acceptance's (`accept_by_context`)."""
+        """The step costs' context bucket for ``rows`` (their longest row's length)."""
         position = getattr(rows, "position", None)
-        if position is None or not len(position):
-            return
-        longest = int(position.max())
-        if self.cost_by_context:
-            self.costs.use_context(longest)
-        if self.accept_by_context:
-            self.diffusion.use_context(longest)
-        if hasattr(self.cost, "context"):
-            self.cost.context = (longest, len(position)) if self.context_price else None
+        if self.cost_by_context and position is not None and len(position):
+            self.costs.use_context(int(position.max()))
 
     def before_draft(self, rows):
         self._use_context(rows)

@@ -80,10 +80,6 @@ class AdaptiveSettings(BaseModel):
     draft_credit: bool = _f(True, "drafting steps that ran under the cost tables credit diffusion plans")
     cost_by_context: bool = _f(True, "learn what steps take beyond the cost tables per context length bucket "
                                "(512, 1024, 2048 ... tokens of the longest row)")
-    accept_by_context: bool = _f(True, "learn the diffusion drafts' won / predicted tokens per context length "
-                                 "bucket")
-    context_price: bool = _f(True, "price each step's attention and drafter passes at the batch's longest "
-                             "context (the cost model's context price)")
     hold_max: int = _f(8, "the longest hold of a plain decision where deciding costs a noticeable share of a step",
                        ge=0)
     hold_share: float = _f(0.05, "the share of one row's part of a step above which deciding is held",
