@@ -278,3 +278,18 @@ def test_bench_speed_on_the_default_pair_with_chat_prompts(tmp_path, smollm2):
         assert "no drafter" in rows[("adapt", 1)]["skipped"]
     for b in (1, 2):  # same prompt ids in every row: greedy fp32 output agrees with transformers
         assert rows[("adapt-ar", b)]["agree_with_hf"] == 1.0 and rows[("adapt-ar", b)]["tokens"] == 8
+
+
+def test_the_instruments_engines_hold_long_documents_whole(smollm2):
+    """`workload_engine` (the instruments' engine) sizes a long-document workload for its prompts,
+    ~1,500-2,300 tokens under SmolLM2's chat template, rather than cutting them to the chat limit."""
+    from transformers import AutoTokenizer
+
+    from adapt.bench.policies import chat_prompt_limit, prompt_limit
+    from adapt.bench.workloads import make_workload
+    from workers.chat import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    lengths = [len(chat_prompt_ids(tok, w["messages"])) for w in make_workload("longdoc", 12, seed=0)]
+    assert 1500 <= min(lengths) and max(lengths) <= prompt_limit("longdoc") == prompt_limit("longdoc-chat")
+    assert prompt_limit("chat") == prompt_limit("mixed") == chat_prompt_limit(64) < min(lengths)

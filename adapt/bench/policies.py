@@ -165,6 +165,13 @@ def chat_prompt_limit(length: int) -> int:
 LONGDOC_PROMPT_LIMIT = 2304  # tokens: a longdoc prompt stays under ~2,300 (adapt/bench/workloads.py)
 
 
+def prompt_limit(workload: str) -> int:
+    """The longest prompt (tokens) an instrument's engine holds for ``workload``: the chat limit,
+    or `LONGDOC_PROMPT_LIMIT` for the long-document workloads (cut to the chat limit, a document
+    would be a short context)."""
+    return LONGDOC_PROMPT_LIMIT if workload.startswith("longdoc") else chat_prompt_limit(64)
+
+
 def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off",
                     aot_pad: bool = False):
     """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
@@ -179,7 +186,7 @@ def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, c
 
     spec = get_pair(pair)
     spec.prepare()
-    limit = LONGDOC_PROMPT_LIMIT if workload.startswith("longdoc") else chat_prompt_limit(64)
+    limit = prompt_limit(workload)
     engine = Engine(EngineConfig(target=spec.target, drafter=spec.drafter, device="auto", dtype="auto",
                                  max_batch=max_batch, max_len=limit + max_tokens + 8, compile=compile,
                                  aot_pad=aot_pad))
