@@ -80,7 +80,7 @@ class AdaptiveSettings(BaseModel):
     draft_credit: bool = _f(True, "drafting steps that ran under the cost tables credit diffusion plans")
     cost_by_context: bool = _f(True, "learn what steps take beyond the cost tables per context length bucket "
                                "(512, 1024, 2048 ... tokens of the longest row)")
-    hold_max: int = _f(8, "the longest hold of a plain decision where deciding costs a noticeable share of a step",
+    hold_max: int = _f(32, "the longest hold of a plain decision where deciding costs a noticeable share of a step",
                        ge=0)
     hold_share: float = _f(0.05, "the share of one row's part of a step above which deciding is held",
                            ge=0.0, le=1.0)
