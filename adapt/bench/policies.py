@@ -175,10 +175,8 @@ def prompt_limit(workload: str) -> int:
 def workload_engine(pair: str, workload: str, max_batch: int, max_tokens: int, compile: str = "off",
                     aot_pad: bool = False):
     """(engine, prompts): an engine on the registered pair `pair` (prepared), sized for
-    `max_batch` rows of `workload` prompts (at most `chat_prompt_limit(64)` tokens, or
-    `LONGDOC_PROMPT_LIMIT` for the long-document workloads, whose prompts cut to the chat limit
-    would be short contexts) plus `max_tokens` new tokens, and those prompts as token ids
-    (`workload_prompts`). `compile`,
+    `max_batch` rows of `workload` prompts (at most `prompt_limit(workload)` tokens) plus
+    `max_tokens` new tokens, and those prompts as token ids (`workload_prompts`). `compile`,
     `aot_pad`: the engine's (`EngineConfig.compile`, "aot" building its package first when
     missing; `EngineConfig.aot_pad`)."""
     from workers.engine import Engine, EngineConfig
