@@ -58,6 +58,61 @@ def test_policy_versions_and_notification(store):
         store.put_policy(["not", "a", "dict"])  # type: ignore[arg-type]
 
 
+def _flaky_subscriber(fail_first: int):
+    """A callback that raises on its first `fail_first` calls (as the worker's does when its read of
+    the version times out), then records versions; returns (callback, seen, got_version_1)."""
+    calls = {"n": 0}
+    seen: list[int] = []
+    got = threading.Event()
+
+    def on_version(v: int) -> None:
+        if v < 1:
+            return
+        calls["n"] += 1
+        if calls["n"] <= fail_first:
+            raise ConnectionError("store read timed out")
+        seen.append(v)
+        got.set()
+
+    return on_version, seen, got
+
+
+def test_a_version_whose_callback_raised_is_delivered_again(store):
+    on_version, seen, got = _flaky_subscriber(fail_first=2)
+    sub = store.subscribe_policy(on_version)
+    time.sleep(0.2)  # let the subscriber connect
+    store.put_policy({"name": "a", "settings": {}})
+    assert got.wait(10.0), "a version whose callback raised was never delivered again"
+    assert seen[0] == 1
+    sub.close()
+
+
+def test_the_controller_store_polls_a_failed_version_again():
+    """`ControllerStoreClient` polls the Controller deployment; here its Serve handle is replaced by
+    an object that answers its calls from a real in-process store, the same way `store_call` does."""
+    from adapt.serving.controller_actor import ControllerStoreClient
+
+    backing = InProcessStore()
+
+    class Handle:
+        class store_call:  # noqa: N801 - the deployment method's name
+            @staticmethod
+            def remote(method, *args):
+                class Response:
+                    @staticmethod
+                    def result(timeout_s=None):
+                        return getattr(backing, method)(*args)
+                return Response
+
+    client = ControllerStoreClient(Handle, poll_s=0.05)
+    on_version, seen, got = _flaky_subscriber(fail_first=2)
+    sub = client.subscribe_policy(on_version)
+    backing.put_policy({"name": "a", "settings": {}})
+    assert got.wait(5.0), "the poll never delivered the version again after its callback raised"
+    assert seen == [1]
+    sub.close()
+
+
 def test_trace_stream_is_capped_and_ordered(store):
     store.add_traces([{"v": 1, "request_id": "r", "step": i} for i in range(120)])
     assert store.trace_len() == 50

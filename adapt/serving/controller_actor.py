@@ -211,7 +211,8 @@ class ControllerStoreClient(StateStore):
             return False
 
     def subscribe_policy(self, callback: Callable[[int], None]) -> Subscription:
-        """Polls the version every `poll_s` (Serve calls have no push channel)."""
+        """Polls the version every `poll_s` (Serve calls have no push channel); a version whose
+        callback raised (its read timed out on a busy controller) is delivered again on the next poll."""
         stop = threading.Event()
 
         def poll() -> None:
@@ -220,9 +221,9 @@ class ControllerStoreClient(StateStore):
                 try:
                     version = self.policy_version()
                     if version != last:
-                        last = version
                         callback(version)
-                except Exception:  # noqa: BLE001 - controller busy or restarting
+                        last = version
+                except Exception:  # noqa: BLE001 - controller busy or restarting: polled again
                     pass
                 stop.wait(self.poll_s)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import redis
 
-from adapt.serving.store import DEFAULT_TRACE_MAXLEN, POLICY_HISTORY, StateStore, Subscription
+from adapt.serving.store import DEFAULT_TRACE_MAXLEN, POLICY_HISTORY, RETRY_S, StateStore, Subscription
 
 __all__ = ["RedisStore", "StoreUnavailable"]
 
@@ -132,7 +132,8 @@ class RedisStore(StateStore):
         return Subscription(stop.set)
 
     def _listen(self, callback: Callable[[int], None], stop: threading.Event) -> None:
-        """Subscribe; after every (re)connect report the current version (missed messages)."""
+        """Subscribe; after every (re)connect report the current version (missed messages, or one
+        whose callback raised)."""
         channel = self._k("policy")
         while not stop.is_set():
             pubsub = self._r.pubsub(ignore_subscribe_messages=True)
@@ -147,8 +148,8 @@ class RedisStore(StateStore):
                         except (TypeError, ValueError):
                             continue
                         callback(version)
-            except (redis.exceptions.RedisError, OSError, ValueError):
-                stop.wait(0.5)  # Redis down: retry, then resync with the current version
+            except Exception:  # noqa: BLE001 - Redis down, or the callback could not read the version
+                stop.wait(RETRY_S)  # then reconnect and resync with the current version
             finally:
                 try:
                     pubsub.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,9 @@ __all__ = ["StateStore", "InProcessStore", "Subscription", "open_store", "DEFAUL
 
 DEFAULT_TRACE_MAXLEN = 100_000
 POLICY_HISTORY = 16  # older policy versions are deleted
+RETRY_S = 0.5  # a policy subscriber that raised is called again after this long
+
+log = logging.getLogger(__name__)
 
 
 class Subscription:
@@ -75,7 +79,9 @@ class StateStore(abc.ABC):
 
         Subscribers may miss notifications while the store is unreachable; on reconnecting they
         are called with the current version, so a subscriber must treat the callback as "check
-        the current version" and ignore versions it already has.
+        the current version" and ignore versions it already has. A callback that raises (it could
+        not read the version) is called again, with that version or a newer one, after
+        `RETRY_S`, until it returns or the subscription is closed.
         """
 
     # -- trace stream --------------------------------------------------------------------
@@ -144,8 +150,21 @@ class InProcessStore(StateStore):
                 del self._policies[old]
             subscribers = list(self._subscribers)
         for callback in subscribers:
-            threading.Thread(target=callback, args=(version,), daemon=True).start()
+            threading.Thread(target=self._notify, args=(callback, version), daemon=True).start()
         return version
+
+    def _notify(self, callback: Callable[[int], None], version: int) -> None:
+        """Call `callback(version)` until it returns, it is unsubscribed, or a newer version is out."""
+        while True:
+            try:
+                callback(version)
+                return
+            except Exception as exc:  # noqa: BLE001 - the subscriber could not take it: retried
+                log.warning("policy subscriber failed on version %d, retrying: %s", version, exc)
+            time.sleep(RETRY_S)
+            with self._lock:
+                if callback not in self._subscribers or self._version != version:
+                    return  # the newer version's own notification takes over
 
     def get_policy(self, version: int | None = None) -> tuple[int, dict[str, Any]] | None:
         with self._lock:

@@ -245,16 +245,17 @@ class ServingPlugin:
 
         A policy is identified by its content digest, not only by the store's counter: a Redis that
         restarted empty counts versions from 1 again, and an empty store (version 0) keeps the
-        running policy.
+        running policy. Raises when the store cannot be read, so the subscription delivers the
+        version again (a busy controller's read times out; see `StateStore.subscribe_policy`).
         """
         with self._version_lock:
             if version <= 0:
                 return
             try:
                 found = self.store.get_policy(version)
-            except Exception as exc:  # noqa: BLE001 - store down: the resync after reconnect retries
-                log.warning("cannot read policy version %d: %s", version, exc)
-                return
+            except Exception as exc:
+                log.warning("cannot read policy version %d, the subscription retries: %s", version, exc)
+                raise
             if found is None:
                 return
             doc = found[1]
