@@ -160,13 +160,17 @@ class Policy:
         t0 = time.thread_time()
         self._ctx_cache = None  # this step's context is stale now
         rows, outcome, steps = record.rows, record.outcome, record.intent.steps
-        accepted = torch.as_tensor(outcome.accepted).cpu()
         step_ms = outcome_ms(outcome)
-        emitted = accepted + 1
-        verified = torch.where(steps > 0, torch.as_tensor(outcome.verified).cpu(), 0)  # diffusion drafts only
-        self.book.observe(rows, emitted, step_ms, verified)
+        if getattr(outcome, "any_verified", None) is False:  # a plain step: one token per row, nothing to read
+            self.book.observe_plain(rows, step_ms)
+            emitted_sum = float(len(rows.request_ids))
+        else:
+            emitted = torch.as_tensor(outcome.accepted).cpu() + 1
+            verified = torch.where(steps > 0, torch.as_tensor(outcome.verified).cpu(), 0)  # diffusion drafts only
+            self.book.observe(rows, emitted, step_ms, verified)
+            emitted_sum = float(emitted.sum())
         if step_ms > 0:
-            rate = float(emitted.sum()) / step_ms
+            rate = emitted_sum / step_ms
             self.throughput = rate if self.throughput == 0 else 0.8 * self.throughput + 0.2 * rate
         if self.online_cost:
             self.cost.observe(float(outcome.num_tokens), rows_per_pass(steps), self._table_ms(record, step_ms))

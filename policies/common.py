@@ -84,6 +84,7 @@ class RequestBook:
         self.forget_after = forget_after
         self.key: tuple = ()
         self.static: dict[str, torch.Tensor] = {}
+        self.lenient = self.targeted = False
         self.elapsed = torch.zeros(0)
         self.count = torch.zeros(0)
         self.idle = torch.zeros(0)
@@ -113,6 +114,10 @@ class RequestBook:
             "priority": torch.tensor([i.priority for i in infos], dtype=torch.float32),
             "left_to_right": torch.tensor([i.left_to_right for i in infos], dtype=torch.bool),
         }
+        # whether any row may be lenient at all (an ε > 0 and T > 0): most batches are lossless
+        # or greedy, and their verify decisions then need no leniency arithmetic (`step_leniency`)
+        self.lenient = bool(((self.static["eps"] > 0) & (rows.temperature.cpu() > 0)).any())
+        self.targeted = bool(torch.isfinite(self.static["tpot_ms"]).any())  # some row has a TPOT target
         self.elapsed = torch.tensor([self.elapsed_ms.get(r, 0.0) for r in key], dtype=torch.float32)
         self.count = torch.tensor([self.tokens.get(r, 0.0) for r in key], dtype=torch.float32)
         self.idle = torch.tensor([self.idle_steps.get(r, 0.0) for r in key], dtype=torch.float32)
@@ -131,7 +136,9 @@ class RequestBook:
         """[B] tensors: eps, budget_left, tpot_ms, priority, left_to_right, lateness, idle,
         elapsed_ms and tokens (each row's decode time and tokens so far: wall time since its first
         token and tokens after it with ``wall_clock`` where the rows carry `decode_ms`), stall_ms
-        (wall time outside the decode steps it took part in; 0 without the wall clock)."""
+        (wall time outside the decode steps it took part in; 0 without the wall clock); and
+        host bools ``lenient`` (whether any row has an ε > 0 at T > 0) and ``targeted`` (whether
+        any row has a TPOT target)."""
         self._load(rows)
         st = self.static
         spent = torch.as_tensor(rows.tvd_spent, dtype=torch.float32).cpu()
@@ -148,6 +155,7 @@ class RequestBook:
                "idle": self.idle, "elapsed_ms": elapsed, "tokens": count, "stall_ms": stall}
         if device is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
+        out["lenient"], out["targeted"] = self.lenient, self.targeted
         return out
 
     def observe(self, rows, emitted: torch.Tensor, step_ms: float, verified: torch.Tensor | None = None) -> None:
@@ -159,6 +167,25 @@ class RequestBook:
         self.count += emitted.float()
         if verified is not None:
             self.idle = torch.where(verified > 0, torch.zeros_like(self.idle), self.idle + 1.0)
+
+    def observe_plain(self, rows, step_ms: float) -> None:
+        """`observe` of a step in which no row verified drafts: each row emitted one token and is
+        idle one more step (three tensor operations)."""
+        self.tick += 1
+        self._load(rows)
+        self.elapsed += step_ms
+        self.count += 1.0
+        self.idle += 1.0
+
+
+def step_leniency(ctx: dict, k: torch.Tensor, draft, temperature: torch.Tensor) -> torch.Tensor | None:
+    """[B] each row's leniency this step (`lenient_eps`; 0 at T = 0) for draft lengths ``k`` [B], or
+    None where no row of the batch may be lenient (``ctx["lenient"]`` False: every request is
+    lossless or greedy), which needs no tensor work."""
+    if not ctx.get("lenient", True):
+        return None
+    eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
+    return torch.where(temperature.to(eps.device) > 0, eps, torch.zeros_like(eps))
 
 
 def lenient_eps(eps: torch.Tensor, budget_left: torch.Tensor, draft_len: torch.Tensor, steps: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from policies.base import Policy, make_verify_decision
-from policies.common import lenient_eps
+from policies.common import step_leniency
 
 
 class StaticPolicy(Policy):
@@ -44,20 +44,18 @@ class StaticPolicy(Policy):
 
 def verify_with_rules(rows, draft, ctx, k: torch.Tensor, lenient: bool):
     """The decision for draft lengths ``k`` [B]: exact rules, or ε-TVD where a row allows it."""
-    temp = rows.temperature.to(k.device)
-    eps = torch.zeros_like(temp)
-    if lenient:
-        eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
-        eps = torch.where(temp > 0, eps, torch.zeros_like(eps))
+    eps = step_leniency(ctx, k, draft, rows.temperature) if lenient else None
     rule, param = rules_from(draft, eps)
     return make_verify_decision(k, rule, param, rows)
 
 
-def rules_from(draft, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rules_from(draft, eps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rule, param): the lenient rule (`kernels.rules.LENIENT_RULE`, ε-TVD) with ε where ε > 0,
-    else the engine's exact rule for the row."""
+    else the engine's exact rule for the row (every row's, where ``eps`` is None)."""
     from kernels.rules import LENIENT_RULE
 
+    if eps is None:
+        return draft.exact_rule.to(torch.int32), torch.zeros(draft.exact_rule.shape, device=draft.exact_rule.device)
     lenient = eps > 0
     rule = torch.where(lenient, torch.full_like(draft.exact_rule, int(LENIENT_RULE)), draft.exact_rule)
     return rule.to(torch.int32), torch.where(lenient, eps, torch.zeros_like(eps)).float()

@@ -51,7 +51,7 @@ def chosen_only(suffix_expect: torch.Tensor | None, diffusion_expect: tuple | No
     extra tokens, [B] grid index)) with the rows in ``pinned`` [B] bool set to 0, so that
     `SuffixAcceptance` and `DiffusionAcceptance` skip them: a pinned row's draft was its
     request's choice, not the policy's, and its outcome says nothing of what the policy predicted."""
-    if not bool(pinned.any()):
+    if (suffix_expect is None and diffusion_expect is None) or not bool(pinned.any()):
         return suffix_expect, diffusion_expect
     if suffix_expect is not None and len(suffix_expect) == len(pinned):
         suffix_expect = torch.where(pinned, 0.0, suffix_expect)

@@ -159,14 +159,22 @@ class AdaptivePolicy(Policy):
             steps, extra, toks = self._plan.steps, self._plan.extra, self._plan.toks
         plan = self._plan
         raw = plan if plan is not None and plan.raw_extra is not None and plan.key == tuple(rows.request_ids) else None
-        copy = torch.zeros(B, dtype=torch.bool)  # rows that take their suffix draft
+        copy = None  # [B] bool: rows that take their suffix draft (None: none does)
         if self.use_suffix and getattr(rows, "suffix_len", None) is not None and bool((rows.suffix_len > 0).any()):
             copy, self.step = take_suffix(self, rows, ctx, steps, extra, toks)
-            steps = torch.where(copy.to(steps.device), 0, steps)
+            if bool(copy.any()):
+                steps = torch.where(copy.to(steps.device), 0, steps)
+            else:
+                copy = None
         if raw is not None:  # what the plan's prior predicts the diffusion rows that stay will win
-            stay = torch.where(steps.cpu() > 0, raw.raw_extra, torch.zeros_like(raw.raw_extra))
+            if copy is None and steps is raw.steps:  # every planned row stays (raw_extra is 0 off the plan)
+                stay = raw.raw_extra
+            else:
+                stay = torch.where(steps.cpu() > 0, raw.raw_extra, torch.zeros_like(raw.raw_extra))
             self.step = replace(self.step, diffusion_expect=(stay, raw.level))
-        source = torch.where(copy.to(steps.device), SUFFIX_CODE, torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE))
+        source = torch.where(steps > 0, DIFFUSION_CODE, NONE_CODE)
+        if copy is not None:
+            source = torch.where(copy.to(steps.device), SUFFIX_CODE, source)
         return source, steps
 
     def _span(self, rows, steps: list[int]) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from kernels.rules import Rule
 from policies.base import make_verify_decision, no_draft_decision, rows_per_pass
-from policies.common import lenient_eps
+from policies.common import step_leniency
 from policies.greedy import greedy_prefix
 from policies.static import rules_from
 
@@ -41,19 +41,18 @@ def verify_drafts(p, rows, draft, ctx, step: StepDecision):
         # verifying every drafted slot costs nearly nothing more (memory-bound, or a short span
         # on a CPU): verify them all, without evaluating the predictor
         k = torch.where(draft.steps > 0, span, 0).to(torch.int64)
-        eps = lenient_eps(ctx["eps"], ctx["budget_left"], k, draft.steps, draft.conditional)
-        eps = torch.where(rows.temperature.to(dev) > 0, eps, torch.zeros_like(eps))
-        rule, param = rules_from(draft, eps)
+        rule, param = rules_from(draft, step_leniency(ctx, k, draft, rows.temperature))
         return make_verify_decision(k, rule, param, rows), None
     pred = p._predictor_on(dev)
     w = weights(p, ctx).to(dev)
     base = base_weights(p, ctx).to(dev).sum()                                   # the tokens every row emits
     temp = rows.temperature.to(dev)
     drafted = draft.steps > 0
-    eps = lenient_eps(ctx["eps"], ctx["budget_left"], torch.full((B,), K, device=dev), draft.steps,
-                      draft.conditional)
-    eps = torch.where(temp > 0, eps, torch.zeros_like(eps))                     # [B]
-    match = (draft.exact_rule == int(Rule.MATCH)) & (eps == 0)
+    eps = step_leniency(ctx, torch.full((B,), K, device=dev), draft, temp)       # [B] or None
+    lossless = eps is None
+    if lossless:
+        eps = torch.zeros(B, device=dev)
+    match = draft.exact_rule == int(Rule.MATCH) if lossless else (draft.exact_rule == int(Rule.MATCH)) & (eps == 0)
     a = pred.survival(draft.confidence, draft.entropy, draft.margin, temp, rows.recent_accept.to(dev),
                       draft.steps, match, eps) * drafted[:, None]                 # [B, K]
     values = w[:, None] * torch.cummin(a, dim=1).values                           # [B, K]
@@ -76,8 +75,7 @@ def verify_drafts(p, rows, draft, ctx, step: StepDecision):
     threshold = theta.cpu().float() * max(dms, 0.0)
     if not bool(torch.isfinite(threshold)):  # a non-finite λ would keep every later plan from drafting
         threshold = None
-    eps = torch.where(k > 0, eps, torch.zeros_like(eps))
-    rule, param = rules_from(draft, eps)
+    rule, param = rules_from(draft, None if lossless else torch.where(k > 0, eps, torch.zeros_like(eps)))
     return make_verify_decision(k, rule, param, rows), threshold
 
 
