@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from workers.atomic_file import write_text_atomic
-from workers.cpu_capability import capability_label
+from workers.cpu_capability import capability_label, effective_capability
 from workers.package_loader import load_package
 from workers.package_cache import (CONTEXT_SOURCES, DRAFT_SOURCES, PACKAGE_FORMAT, SOURCES, facts_files, package_dir,
                                    package_key, source_digest)
@@ -107,7 +107,8 @@ def _shared_facts(sources: tuple[str, ...], cache) -> dict:
     and the source of the code it compiled (`sources`, in workers/)."""
     k0 = cache.k[0]
     return {"format": PACKAGE_FORMAT, "torch": torch.__version__, "device": k0.device.type,
-            "cpu_capability": capability_label(), "layers": len(cache.k),
+            "cpu_capability": capability_label(), "native_bf16": effective_capability()["native_bf16"],
+            "layers": len(cache.k),
             "cache_shape": list(k0.shape), "cache_dtype": str(k0.dtype), "source": source_digest(sources)}
 
 
@@ -139,9 +140,27 @@ def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int,
     return _package(DecodeForward(target, capture).eval(), (*example, *kv), dynamic, path)
 
 
+def inductor_configs(dtype: torch.dtype) -> dict:
+    """AOTInductor's options for a package whose weights are ``dtype``: freezing (weights packed
+    for oneDNN), and, where oneDNN has no native bf16 / fp16 matmuls (an AVX2-only CPU), inductor's
+    own C++ GEMM template as a candidate beside the library call for every matmul, each picked by
+    timing both on this machine while the package builds (``max_autotune``). There oneDNN runs a
+    bf16 matmul of several rows emulated, its time growing with every row, while the template
+    converts the bf16 weights to fp32 in registers: in a stack of SmolLM2's layer shapes under
+    ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (two threads), 2 / 3 / 5 / 9 / 17 rows took
+    9.6 / 11.4 / 20.3 / 30.1 / 53.4 ms against oneDNN's 14.4 / 17.4 / 29.7 / 52.7 / 97.8 (one row
+    8.8 against 7.9): a verify of a few tokens and a batch of rows cost much less
+    (docs/cpu-performance.md, "AVX2-only CPUs")."""
+    configs: dict = {"freezing": True}
+    if dtype in (torch.bfloat16, torch.float16) and not effective_capability()["native_bf16"]:
+        configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    return configs
+
+
 def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path) -> float:
-    """Export `module` on `example` with `dynamic` shapes, compile it with AOTInductor (weights
-    frozen) into the package `path`, written atomically. Returns the seconds it took."""
+    """Export `module` on `example` with `dynamic` shapes, compile it with AOTInductor
+    (`inductor_configs` of its weights' dtype) into the package `path`, written atomically.
+    Returns the seconds it took."""
     t0 = time.perf_counter()
     with torch.no_grad():  # inductor freezes weights only with grad off
         module(*example)
@@ -150,8 +169,9 @@ def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path) -> fl
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.pt2", dir=path.parent)
         os.close(fd)
         try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
-                                                     inductor_configs={"freezing": True})
+            weight = next(module.parameters(), None)
+            configs = inductor_configs(weight.dtype if weight is not None else torch.float32)
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
