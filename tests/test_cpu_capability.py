@@ -23,7 +23,7 @@ import json, torch
 from workers.kv_cache import KVCache
 from adapt.dtype_choice import choice_facts
 from adapt.profile_cache import key_digest, machine_facts
-from workers.aot import _shared_facts
+from workers.aot import _shared_facts, inductor_configs
 from workers.package_cache import SOURCES
 from workers.cpu_capability import capability_label, effective_capability
 from workers.wide_rows import _key
@@ -35,7 +35,32 @@ print(json.dumps({{
     "dtype_choice": key_digest(choice_facts("{DEMO / 'target'}", "{DEMO / 'drafter'}")),
     "wide_rows": _key((1536, 576), 30, torch.bfloat16, (6, 8)),
     "aot": _shared_facts(SOURCES, cache)["cpu_capability"],
+    "inductor_bf16": inductor_configs(torch.bfloat16), "inductor_fp32": inductor_configs(torch.float32),
 }}))
+"""
+
+# a bf16 engine of the tiny pair, 8 rows, its packages built under the variables: the decode
+# program's logits against the eager forward's on the same cache, for calls of B rows x T tokens
+PACKAGE = """
+import json, sys, torch
+from tests.tiny_models import make_tiny_pair
+from workers.engine import Engine, EngineConfig
+torch.set_num_threads(1)
+target, drafter = make_tiny_pair(sys.argv[1], vocab=64, seed=5)
+engine = Engine(EngineConfig(target=target, drafter=drafter, dtype="bfloat16", max_batch=8, max_len=96, compile="aot"))
+aot, cache = engine.target_forward, engine.tcache
+gen = torch.Generator().manual_seed(2)
+for t in (*cache.k, *cache.v):
+    t.copy_(torch.randn(t.shape, generator=gen))
+errors = {}
+with torch.inference_mode():
+    for B, T in ((1, 1), (1, 3), (8, 1), (4, 5)):
+        ids = torch.randint(0, engine.vocab, (B, T), generator=gen)
+        start = torch.full((B,), 20)
+        got = aot._run(ids, start, 20 + T)[0].float()
+        want = aot.target(ids, start, cache, 0, 20 + T, aot.capture, None, None)[0].float()
+        errors[f"{B}x{T}"] = float((got - want).abs().max() / want.abs().max())
+print(json.dumps({"errors": errors, "built": [engine.backend.info["built"], engine.backend.info["drafter"]["built"]]}))
 """
 
 
@@ -66,6 +91,32 @@ def test_the_limited_process_reports_its_capability_and_what_limits_it(keys):
 def test_every_per_machine_key_differs_under_the_limit(keys, key):
     full, limited = keys
     assert full[key] != limited[key]
+
+
+def test_bf16_packages_take_the_cpp_gemm_template_only_without_native_bf16(keys):
+    """Without native bf16 matmuls (the limit; a real AVX2-only CPU) bf16 packages compile with
+    inductor's C++ GEMM template as a candidate (workers/aot.py `inductor_configs`); fp32 ones never."""
+    full, limited = keys
+    assert limited["inductor_bf16"]["max_autotune"] is True
+    assert limited["inductor_bf16"]["max_autotune_gemm_backends"] == "CPP,ATEN"
+    for k in (full, limited):
+        assert k["inductor_fp32"] == {"freezing": True} and k["inductor_bf16"]["freezing"] is True
+    assert ("max_autotune" in full["inductor_bf16"]) == (not full["capability"]["native_bf16"])
+
+
+def test_bf16_packages_built_under_the_limit_compute_the_eager_forward(tmp_path):
+    """The packages of an 8-row bf16 engine build under the limit (each matmul picked between the
+    template and oneDNN by timing; a program the template fails on builds without it) and the
+    decode program's logits match the eager forward's to bf16 precision."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                               "DNNL_MAX_CPU_ISA")}
+    env = {**clean, **LIMIT, "ADAPT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", PACKAGE, str(tmp_path / "pair")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["built"] == [True, True]
+    assert all(e < 0.05 for e in result["errors"].values()), result["errors"]
 
 
 def test_the_keys_are_stable_without_the_limit(keys):

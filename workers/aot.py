@@ -152,11 +152,12 @@ def inductor_configs(dtype: torch.dtype) -> dict:
     own C++ GEMM template as a candidate beside the library call for every matmul, each picked by
     timing both on this machine while the package builds (``max_autotune``). There oneDNN runs a
     bf16 matmul of several rows emulated, its time growing with every row, while the template
-    converts the bf16 weights to fp32 in registers: in a stack of SmolLM2's layer shapes under
-    ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (two threads), 2 / 3 / 5 / 9 / 17 rows took
-    9.6 / 11.4 / 20.3 / 30.1 / 53.4 ms against oneDNN's 14.4 / 17.4 / 29.7 / 52.7 / 97.8 (one row
-    8.8 against 7.9): a verify of a few tokens and a batch of rows cost much less
-    (docs/cpu-performance.md, "AVX2-only CPUs")."""
+    converts the bf16 weights to fp32 in registers and reads them once for all rows: SmolLM2's
+    decode forward under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (two threads) took
+    10.5 / 10.7 / 18.2 / 43.1 ms for 2 / 3 / 5 / 17 tokens against oneDNN's 17.1 / 24.2 / 40.2 /
+    130.6 (one token: 10.5 against 10.4), and 25.3 ms for one token of 8 rows against 63.6
+    (results/verify-cost/smollm2-avx2/; docs/cpu-performance.md, "Compiled packages on the AVX2
+    kind")."""
     configs: dict = dict(FROZEN)
     if dtype in (torch.bfloat16, torch.float16) and not effective_capability()["native_bf16"]:
         configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
