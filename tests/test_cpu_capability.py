@@ -64,10 +64,14 @@ print(json.dumps({"errors": errors, "built": [engine.backend.info["built"], engi
 """
 
 
+def _unlimited_env() -> dict:
+    """This process's environment without the variables that limit the capability."""
+    return {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                              "DNNL_MAX_CPU_ISA")}
+
+
 def _keys(**env) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                               "DNNL_MAX_CPU_ISA")}
-    out = subprocess.run([sys.executable, "-c", KEYS], env={**clean, **env}, cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", KEYS], env={**_unlimited_env(), **env}, cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -108,9 +112,7 @@ def test_bf16_packages_built_under_the_limit_compute_the_eager_forward(tmp_path)
     """The packages of an 8-row bf16 engine build under the limit (each matmul picked between the
     template and oneDNN by timing; a program the template fails on builds without it) and the
     decode program's logits match the eager forward's to bf16 precision."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                               "DNNL_MAX_CPU_ISA")}
-    env = {**clean, **LIMIT, "ADAPT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    env = {**_unlimited_env(), **LIMIT, "ADAPT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", PACKAGE, str(tmp_path / "pair")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -47,13 +47,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-log = logging.getLogger(__name__)
-
 from workers.atomic_file import write_text_atomic
 from workers.cpu_capability import capability_label, effective_capability
 from workers.package_loader import load_package
 from workers.package_cache import (CONTEXT_SOURCES, DRAFT_SOURCES, PACKAGE_FORMAT, SOURCES, facts_files, package_dir,
                                    package_key, source_digest)
+
+log = logging.getLogger(__name__)
 
 MIN_BLOCK = 3  # block positions a drafter package takes at least (2 would specialise the export)
 

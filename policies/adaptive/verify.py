@@ -50,9 +50,11 @@ def verify_drafts(p, rows, draft, ctx, step: StepDecision):
     drafted = draft.steps > 0
     eps = step_leniency(ctx, torch.full((B,), K, device=dev), draft, temp)       # [B] or None
     lossless = eps is None
+    match = draft.exact_rule == int(Rule.MATCH)
     if lossless:
         eps = torch.zeros(B, device=dev)
-    match = draft.exact_rule == int(Rule.MATCH) if lossless else (draft.exact_rule == int(Rule.MATCH)) & (eps == 0)
+    else:
+        match = match & (eps == 0)
     a = pred.survival(draft.confidence, draft.entropy, draft.margin, temp, rows.recent_accept.to(dev),
                       draft.steps, match, eps) * drafted[:, None]                 # [B, K]
     values = w[:, None] * torch.cummin(a, dim=1).values                           # [B, K]
