@@ -91,13 +91,25 @@ def step_backend(engine) -> str:
     return engine.backend.label
 
 
+def step_programs(engine) -> dict[str, Any]:
+    """The keys of the compiled packages ``engine`` runs (workers/aot.py: decode, one-row, drafter
+    pass, context commit; none on eager steps) and the token counts its one-row program takes: a
+    rebuilt package, or another verdict, is another step cost."""
+    info = dict(getattr(engine.backend, "info", None) or {})
+    keys = [info.get("key")] + [(info.get(part) or {}).get("key") for part in ("one_row", "drafter", "context")]
+    verdict = (info.get("one_row") or {}).get("verdict") or {}
+    return {"packages": [k for k in keys if k], "one_row_tokens": list(verdict.get("tokens", []))}
+
+
 def engine_facts(engine) -> dict[str, Any]:
-    """The profile key's parts that come from ``engine`` (machine, models, dtype, backend, shape,
-    whether its memory is on huge pages: steps ~1.05-1.14x faster, workers/huge_pages.py)."""
+    """The profile key's parts that come from ``engine`` (machine, models, dtype, backend and its
+    compiled programs, shape, whether its memory is on huge pages: steps ~1.05-1.14x faster,
+    workers/huge_pages.py)."""
     cfg = engine.config
     return {"machine": machine_facts(engine.device), "target": model_digest(cfg.target),
             "drafter": model_digest(cfg.drafter), "dtype": str(engine.dtype).removeprefix("torch."),
-            "backend": step_backend(engine), "pack": bool(getattr(engine, "pack", False)),
+            "backend": step_backend(engine), "programs": step_programs(engine),
+            "pack": bool(getattr(engine, "pack", False)),
             "huge_pages": bool((getattr(engine, "huge_pages", None) or {}).get("mb")),  # memory really moved
             "max_batch": int(cfg.max_batch), "max_len": int(engine.max_len), "block": int(engine.block)}
 

@@ -18,7 +18,9 @@ import torch
 
 from tests.test_engine import greedy_reference
 from tests.tiny_models import make_tiny_pair, run_to_completion, single_thread
-from workers.aot import MIN_BLOCK, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass
+from workers.aot import (MIN_BLOCK, ONE_ROW_TOKENS, AotContextWrite, AotDraftPass, AotTarget, aot_draft_pass,
+                         aot_one_row)
+from workers.package_loader import load_package
 from workers.package_cache import list_packages, package_dir
 from workers.engine import PENDING_WINDOW, Engine, EngineConfig
 from workers.kv_cache import KVCache
@@ -215,6 +217,53 @@ def test_greedy_decoding_through_padded_calls_is_the_targets_own(built):
             assert run_to_completion(engine, [(f"one{i}", p, params, kn)])[f"one{i}"] == want[i]
     finally:
         engine.target_forward.pad = saved
+
+
+def test_the_one_row_program_keeps_its_verdict_and_decodes_as_the_target(built, monkeypatch):
+    """`aot_one_row` builds the one-row program (inductor's GEMM template offered), times it
+    against the decode package once and keeps the verdict in its facts file; a second load reads
+    the verdict and times nothing. With every token count sent to it, one-row calls return the
+    package's logits and greedy decoding of one row through it is the target's own."""
+    target, _, cache, engine = built
+    aot = engine.target_forward
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(cache))
+    saved = (aot.one_row, aot.one_row_tokens)
+    try:
+        info = aot_one_row(aot, engine.backend.info["weights"])
+        verdict = info["verdict"]
+        assert info["built"] and Path(info["path"]).name.startswith("onerow-")
+        assert set(verdict["ms"]) == {str(t) for t in range(1, min(ONE_ROW_TOKENS, aot.tmax) + 1)}
+        assert all(a > 0 and b > 0 for a, b in verdict["ms"].values())
+        assert aot.one_row_tokens == set(verdict["tokens"]) and (aot.one_row is not None) == bool(verdict["tokens"])
+        facts = json.loads(Path(info["path"]).with_suffix(".json").read_text())
+        assert facts["verdict"] == verdict and facts["rows"] == 1 and facts["tmax"] == ONE_ROW_TOKENS
+        assert any(p["kind"] == "onerow" for p in list_packages(cache))
+        monkeypatch.setattr(AotTarget, "time_one_row", lambda *a, **k: pytest.fail("the verdict was measured again"))
+        again = aot_one_row(aot, engine.backend.info["weights"])
+        assert not again["built"] and again["verdict"] == verdict
+
+        aot.use_one_row(load_package(info["path"]), range(1, ONE_ROW_TOKENS + 1))
+        gen = torch.Generator().manual_seed(8)
+        for t in (*engine.tcache.k, *engine.tcache.v):
+            t.normal_(generator=gen)
+        for T in (1, 2, ONE_ROW_TOKENS):
+            ids, start = torch.randint(0, engine.vocab, (1, T), generator=gen), torch.tensor([21])
+            outs = []
+            for tokens in (frozenset(), frozenset(range(1, ONE_ROW_TOKENS + 1))):
+                aot.one_row_tokens = tokens
+                logits, hidden = aot(ids, start, engine.tcache, 0, 21 + T)
+                outs.append((logits.clone(), hidden.clone()))
+            torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+        want = greedy_reference(target, PROMPTS, MAX_TOKENS)
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        knobs = [DecodeKnobs(steps=1, draft_len=0), DecodeKnobs(steps=1, draft_len=2), DecodeKnobs(steps=1, draft_len=16)]
+        for i, (p, kn) in enumerate(zip(PROMPTS, knobs)):  # one row at a time: one-token steps, 3-token verifies
+            assert run_to_completion(engine, [(f"onerow{i}", p, params, kn)])[f"onerow{i}"] == want[i], kn
+    finally:
+        aot.one_row, aot.one_row_tokens = saved
+        for f in package_dir(cache).glob("onerow-*"):  # the other tests count this cache's packages
+            f.unlink()
 
 
 def test_a_second_engine_loads_the_package_without_building(built, monkeypatch):

@@ -23,7 +23,7 @@ import json, torch
 from workers.kv_cache import KVCache
 from adapt.dtype_choice import choice_facts
 from adapt.profile_cache import key_digest, machine_facts
-from workers.aot import _shared_facts, inductor_configs
+from workers.aot import _shared_facts, inductor_configs, offers_one_row
 from workers.package_cache import SOURCES
 from workers.cpu_capability import capability_label, effective_capability
 from workers.wide_rows import _key
@@ -36,6 +36,8 @@ print(json.dumps({{
     "wide_rows": _key((1536, 576), 30, torch.bfloat16, (6, 8)),
     "aot": _shared_facts(SOURCES, cache)["cpu_capability"],
     "inductor_bf16": inductor_configs(torch.bfloat16), "inductor_fp32": inductor_configs(torch.float32),
+    "one_row": [offers_one_row(torch.bfloat16, "cpu"), offers_one_row(torch.float32, "cpu"),
+                offers_one_row(torch.bfloat16, "meta")],
 }}))
 """
 
@@ -106,6 +108,14 @@ def test_bf16_packages_take_the_cpp_gemm_template_only_without_native_bf16(keys)
     for k in (full, limited):
         assert k["inductor_fp32"] == {"freezing": True} and k["inductor_bf16"]["freezing"] is True
     assert ("max_autotune" in full["inductor_bf16"]) == (not full["capability"]["native_bf16"])
+
+
+def test_only_bf16_engines_on_native_bf16_cpus_try_a_one_row_program(keys):
+    """Where the decode package already times the template (no native bf16), no one-row program
+    (workers/aot.py `offers_one_row`); fp32 engines and other devices never."""
+    full, limited = keys
+    assert limited["one_row"] == [False, False, False]
+    assert full["one_row"] == [full["capability"]["native_bf16"], False, False]
 
 
 def test_bf16_packages_built_under_the_limit_compute_the_eager_forward(tmp_path):

@@ -4,6 +4,7 @@ anything, a changed key or a corrupt file profiles again, and `adapt generate` r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -75,6 +76,17 @@ def test_a_changed_key_profiles_again(pair, tmp_path):
     assert not other_shape["cached"] and other_shape["path"] != first["path"]
     _, other_grid = engine_profile(engine, tmp_path, say=None, **dict(ARGS, token_grid=(1, 3)))
     assert not other_grid["cached"]
+    # other compiled programs (a rebuilt package, a one-row program's verdict): other step costs
+    saved = engine.backend
+    try:
+        engine.backend = dataclasses.replace(saved, info={**saved.info, "key": "rebuilt",
+                                                          "one_row": {"key": "k", "verdict": {"tokens": [1, 2]}}})
+        _, other_programs = engine_profile(engine, tmp_path, say=None, **ARGS)
+        assert not other_programs["cached"] and other_programs["path"] != first["path"]
+        stored = json.loads(open(other_programs["path"]).read())["key"]["programs"]
+        assert stored == {"packages": ["rebuilt", "k"], "one_row_tokens": [1, 2]}
+    finally:
+        engine.backend = saved
     # a retrained (rewritten) drafter: its weights file changes, so does the key
     weights = next(p for p in pair[1].iterdir() if p.suffix == ".safetensors")
     st = weights.stat()

@@ -12,6 +12,13 @@ each (an anchor and its drafts), per-row start positions, any window `2 .. cache
 Prefills (`logits_index`), packed verification and anything outside those ranges run the eager
 forward, which stays loaded.
 
+On a CPU with native bf16 matmuls a bf16 engine also gets a **one-row program**
+(`onerow-<key>.pt2`, `aot_one_row`): the same forward for one row and 1 .. `ONE_ROW_TOKENS`
+tokens, compiled with inductor's C++ GEMM template timed against oneDNN for every matmul. It runs
+the one-row calls of the token counts where it measured faster than the decode package, once,
+right after it was built (the verdict is kept beside it): oneDNN's bf16 matmuls of one to four
+rows are slower than the template's, and its wide ones faster.
+
 The drafter's denoising pass (`BlockDiffusionDrafter.block_logits`) gets a package of its own
 (`draft-<key>.pt2`, `DraftPass`): rows `1 .. max_batch` drafting together, `3 .. K + 1` block
 positions (an anchor and at least two drafts), any window over the drafter-context cache, the
@@ -121,13 +128,35 @@ def package_facts(target: nn.Module, capture: tuple[int, ...], cache, tmax: int)
             "capture": list(capture), "tmax": int(tmax)}
 
 
-def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, path: Path) -> float:
+# the one-row program (`aot_one_row`): calls of one row and up to this many tokens (an anchor and 4 drafts)
+ONE_ROW_TOKENS = 5
+ONE_ROW_MIN_GAIN = 0.03  # a token count runs on the one-row program where it measured this much faster
+
+
+def one_row_facts(target: nn.Module, capture: tuple[int, ...], cache) -> dict:
+    """What a one-row program depends on besides the weights: the decode package's facts for
+    `ONE_ROW_TOKENS` tokens, one row, the GEMM template offered."""
+    return {**package_facts(target, capture, cache, ONE_ROW_TOKENS), "rows": 1, "gemm": "template"}
+
+
+def offers_one_row(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an engine of ``dtype`` on ``device`` tries a one-row program: bf16 / fp16 weights on
+    a CPU whose oneDNN has native bf16 matmuls (elsewhere the decode package already times the
+    template for every matmul, `inductor_configs`)."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and effective_capability()["native_bf16"])
+
+
+def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, path: Path,
+                  one_row: bool = False) -> float:
     """Export `DecodeForward` and compile it into the package `path` (written atomically: a
     temporary file renamed into place). Returns the seconds it took. `target` must be in eval
-    mode; its eager forward runs once first (it builds lazily made tables the program reads)."""
+    mode; its eager forward runs once first (it builds lazily made tables the program reads).
+    ``one_row``: the one-row program (`one_row_facts`): calls of one row, 1 .. ``tmax`` tokens,
+    every matmul timed against inductor's C++ GEMM template at two tokens."""
     max_batch, _, length, _ = cache.k[0].shape
     dev = cache.k[0].device
-    B, T = min(2, max_batch), min(3, tmax)
+    B, T = (1, 2) if one_row else (min(2, max_batch), min(3, tmax))
     # the example's window is half the cache: inductor splits its loops over threads by the example's
     # sizes, and with a window of a few positions it ran the attention's softmax on one thread
     # (results/ab/smollm2/verify-example-window/: a 17-token verify after 1,780 positions 0.87x the time)
@@ -136,17 +165,17 @@ def build_package(target: nn.Module, capture: tuple[int, ...], cache, tmax: int,
     example = (torch.zeros(B, T, dtype=torch.long, device=dev), torch.full((B,), W - T, dtype=torch.long, device=dev),
                torch.zeros(W, device=dev))
     Dim = torch.export.Dim
-    dynamic = {"ids": {0: Dim("rows", min=1, max=max_batch) if max_batch > 1 else Dim.STATIC,
+    dynamic = {"ids": {0: Dim("rows", min=1, max=max_batch) if max_batch > 1 and not one_row else Dim.STATIC,
                        1: Dim("tokens", min=1, max=tmax) if tmax > 1 else Dim.STATIC},
                "window": {0: Dim("window", min=2, max=length - 1)}, "kv": tuple(None for _ in kv)}
     dynamic["start"] = {0: dynamic["ids"][0]}
-    return _package(DecodeForward(target, capture).eval(), (*example, *kv), dynamic, path)
+    return _package(DecodeForward(target, capture).eval(), (*example, *kv), dynamic, path, template=one_row)
 
 
 FROZEN = {"freezing": True}  # every package: weights are constants, packed for oneDNN
 
 
-def inductor_configs(dtype: torch.dtype) -> dict:
+def inductor_configs(dtype: torch.dtype, template: bool = False) -> dict:
     """AOTInductor's options for a package whose weights are ``dtype``: freezing (weights packed
     for oneDNN), and, where oneDNN has no native bf16 / fp16 matmuls (an AVX2-only CPU), inductor's
     own C++ GEMM template as a candidate beside the library call for every matmul, each picked by
@@ -157,15 +186,15 @@ def inductor_configs(dtype: torch.dtype) -> dict:
     10.5 / 10.7 / 18.2 / 43.1 ms for 2 / 3 / 5 / 17 tokens against oneDNN's 17.1 / 24.2 / 40.2 /
     130.6 (one token: 10.5 against 10.4), and 25.3 ms for one token of 8 rows against 63.6
     (results/verify-cost/smollm2-avx2/; docs/cpu-performance.md, "Compiled packages on the AVX2
-    kind")."""
+    kind"). ``template``: offer the template whatever the CPU (the one-row program, `aot_one_row`)."""
     configs: dict = dict(FROZEN)
-    if dtype in (torch.bfloat16, torch.float16) and not effective_capability()["native_bf16"]:
+    if template or (dtype in (torch.bfloat16, torch.float16) and not effective_capability()["native_bf16"]):
         configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                        autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)  # no tables on stderr
     return configs
 
 
-def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path) -> float:
+def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path, template: bool = False) -> float:
     """Export `module` on `example` with `dynamic` shapes, compile it with AOTInductor
     (`inductor_configs` of its weights' dtype) into the package `path`, written atomically.
     Returns the seconds it took."""
@@ -178,7 +207,7 @@ def _package(module: nn.Module, example: tuple, dynamic: dict, path: Path) -> fl
         os.close(fd)
         try:
             weight = next(module.parameters(), None)
-            configs = inductor_configs(weight.dtype if weight is not None else torch.float32)
+            configs = inductor_configs(weight.dtype if weight is not None else torch.float32, template)
             try:
                 torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs=configs)
             except Exception as exc:  # noqa: BLE001 - inductor's template fails on some programs: build without it
@@ -378,6 +407,8 @@ class AotTarget:
         self.out_spec = torch.utils._pytree.treespec_loads(self.loader.get_call_spec()[1])
         self.calls = {"program": 0, "eager": 0}
         self.pad: dict[tuple[int, int], int] = {}  # (rows, tokens) -> tokens per row to run (`calibrate_padding`)
+        self.one_row = None  # (loader, output spec) of the one-row program (`aot_one_row`); None: none
+        self.one_row_tokens: frozenset[int] = frozenset()  # the token counts of one row it runs
 
     def fits(self, input_ids, cache, row0, width, logits_index, packed) -> bool:
         B, T = input_ids.shape
@@ -400,8 +431,45 @@ class AotTarget:
         return logits[:, :T], None if hidden is None else hidden[:, :T]
 
     def _run(self, input_ids, start, width):
-        flat = self.loader.boxed_run([input_ids, start, self.window[:width], *self.kv])
-        return torch.utils._pytree.tree_unflatten(flat, self.out_spec)
+        B, T = input_ids.shape
+        loader, spec = self.one_row if B == 1 and T in self.one_row_tokens else (self.loader, self.out_spec)
+        flat = loader.boxed_run([input_ids, start, self.window[:width], *self.kv])
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    def use_one_row(self, runner, tokens) -> None:
+        """Run calls of one row and ``tokens`` tokens (an iterable of counts) on ``runner``'s program."""
+        self.one_row = (runner.loader, torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1]))
+        self.one_row_tokens = frozenset(int(t) for t in tokens)
+
+    def time_one_row(self, runner, reps: int = 10, min_gain: float = ONE_ROW_MIN_GAIN) -> dict:
+        """Time one-row calls of 1 .. `ONE_ROW_TOKENS` tokens on this program and on ``runner``'s
+        (a one-row program), interleaved, ``reps`` times each after a warm-up round, after a short
+        and a long context (64 positions and half the cache); returns {"ms": {T: [this program's
+        ms, the one-row program's]} (medians summed over both contexts), "tokens": the counts on
+        which the one-row program was at least ``min_gain`` faster}. Writes scratch entries into
+        the cache's first row (run it before any request)."""
+        import statistics
+
+        dev = self.cache.k[0].device
+        main = (self.loader, self.out_spec)
+        other = (runner.loader, torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1]))
+        starts = sorted({min(64, self.length // 4), self.length // 2 - ONE_ROW_TOKENS - 1})
+        cases = [(T, s0) for T in range(1, min(ONE_ROW_TOKENS, self.tmax) + 1) for s0 in starts]
+        times = {(c, i): [] for c in cases for i in (0, 1)}
+        with torch.inference_mode():
+            for _ in range(reps + 1):  # the first round warms up
+                for T, s0 in cases:
+                    ids = torch.zeros(1, T, dtype=torch.long, device=dev)
+                    start = torch.full((1,), s0, dtype=torch.long, device=dev)
+                    for i, (loader, _) in enumerate((main, other)):
+                        t0 = time.perf_counter()
+                        loader.boxed_run([ids, start, self.window[:s0 + T], *self.kv])
+                        times[((T, s0), i)].append(time.perf_counter() - t0)
+        ms = {}
+        for T in sorted({T for T, _ in cases}):
+            ms[T] = [round(sum(1e3 * statistics.median(times[((T, s0), i)][1:]) for s0 in starts), 2) for i in (0, 1)]
+        tokens = [T for T, (a, b) in ms.items() if b <= (1.0 - min_gain) * a]
+        return {"ms": {str(T): v for T, v in ms.items()}, "tokens": tokens, "starts": starts}
 
     def calibrate_padding(self, reps: int = 12, rows: int = PAD_ROWS, min_gain: float = PAD_MIN_GAIN) -> dict:
         """Time the program on calls of B rows x T tokens with B * T < `rows` against the same
@@ -449,6 +517,37 @@ def aot_target(target: nn.Module, capture: tuple[int, ...], cache, tmax: int, ca
     return AotTarget(target, capture, cache, runner, tmax), info
 
 
+def aot_one_row(main: AotTarget, weights: str, cache_dir: str | Path | None = None, build: bool = True,
+                log=None) -> dict:
+    """Give ``main`` (an engine's `AotTarget`, its weights' digest ``weights``) a **one-row
+    program**: the same forward compiled for calls of one row and 1 .. `ONE_ROW_TOKENS` tokens
+    with inductor's C++ GEMM template timed against oneDNN for every matmul (at two tokens), and
+    use it for the token counts where it measured faster than ``main``'s program
+    (`AotTarget.time_one_row`, once, right after it is built: the verdict is kept in its facts
+    file). On a CPU with native bf16 matmuls (`offers_one_row`) oneDNN's bf16 matmuls of a few
+    rows are slower than the template's, which reads the weights once and converts them in
+    registers, while the template loses wide verifies and batches (SmolLM2 on a 2-core AVX-512
+    CPU: a one-token forward 12.2 ms against 18.7, a 17-token one 58 against 25, 8 rows slower at
+    every width; results/verify-cost/smollm2/template-avx512/), so the decode package keeps
+    oneDNN and one-row calls of few tokens go here. Loaded or built as `aot_target` does;
+    returns its info with the "verdict"."""
+    facts = one_row_facts(main.target, main.capture, main.cache)
+    runner, info = _load_package(
+        "onerow", facts, lambda: weights,
+        lambda path: build_package(main.target, main.capture, main.cache, ONE_ROW_TOKENS, path, one_row=True),
+        cache_dir, build, log, "the target's one-row steps", "two or three minutes")
+    meta = Path(info["path"]).with_suffix(".json")
+    record = json.loads(meta.read_text()) if meta.is_file() else dict(facts)
+    verdict = record.get("verdict")
+    if verdict is None:  # measured once, on this machine, and kept with the package
+        verdict = main.time_one_row(runner)
+        write_text_atomic(meta, json.dumps({**record, "verdict": verdict}, indent=1))
+    if verdict["tokens"]:
+        main.use_one_row(runner, verdict["tokens"])
+    info["verdict"] = verdict
+    return info
+
+
 def aot_draft_pass(drafter: nn.Module, cache, qmax: int, cache_dir: str | Path | None = None, build: bool = True,
                    log=None) -> tuple[AotDraftPass, dict]:
     """The drafter's `AotDraftPass` over the drafter-context cache `cache` for blocks of up to
@@ -478,12 +577,13 @@ def _load_package(prefix: str, facts: dict, digest, build_fn, cache_dir, build: 
     folder = package_dir(cache_dir)
     missing = ("no compiled package {} for this model and engine shape; build it with `adapt compile` "
                "(or --compile aot, which builds it on first use)")
-    built_for = [{k: v for k, v in pkg.items() if k != "built_s"} for pkg in facts_files(folder, prefix)]
+    built_for = [{k: v for k, v in pkg.items() if k not in ("built_s", "verdict")} for pkg in facts_files(folder, prefix)]
     if not build and facts not in built_for:  # no package of this shape at all: spare hashing the weights
         raise FileNotFoundError(missing.format(f"in {folder}"))
-    key = package_key(facts, digest())
+    weights = digest()
+    key = package_key(facts, weights)
     path = folder / f"{prefix}-{key}.pt2"
-    info = {"path": str(path), "key": key, "built": False, "build_s": 0.0}
+    info = {"path": str(path), "key": key, "built": False, "build_s": 0.0, "weights": weights}
     if not path.is_file():
         if not build:
             raise FileNotFoundError(missing.format(path))

@@ -102,7 +102,10 @@ class EngineConfig:
     CPU, measure at load whether decode calls of very few tokens run faster padded to a few more
     (`AotTarget.calibrate_padding`, ~1.5 s; `backend.info["pad"]`) and pad those that do (off by
     default: faster steps at one row, but the adaptive policy's choices at 2 and 8 rows lost ~7 %
-    with it, docs/engine.md); aot_draft_subsets: with "aot", drafter passes over a subset of the
+    with it, docs/engine.md); aot_one_row: with "aot", run calls of one row and a few tokens on a
+    one-row program (`workers.aot.aot_one_row`: inductor's GEMM template timed against oneDNN;
+    bf16 on CPUs with native bf16 matmuls) for the token counts where it measured faster than the
+    decode package, once, when it was built; aot_draft_subsets: with "aot", drafter passes over a subset of the
     batch's rows (some rows draft by diffusion, others copy or decode plainly) of at most this
     many rows run the drafter's package over their slots or a scratch copy of their context
     (`DrafterContext.subset_kv`) instead of the eager pass: ~0.7–1.9 ms faster a pass on SmolLM2,
@@ -148,6 +151,7 @@ class EngineConfig:
     compile: bool | str = False
     aot_build: bool = True
     aot_pad: bool = False
+    aot_one_row: bool = True
     aot_draft_subsets: int = 0
     suffix: bool = True
     suffix_global_tokens: int = 1 << 16
@@ -289,12 +293,18 @@ class Engine:
         """The target's decode forward from its compiled package (workers/aot.py), built first when
         missing if the backend `builds`; else, when missing, eager decoding (and a hint how to
         build it): the backend becomes eager."""
-        from workers.aot import aot_target
+        from workers.aot import aot_one_row, aot_target, offers_one_row
 
         log = logging.getLogger(__name__)
         try:
             self.target_forward, info = aot_target(self.target, self.capture, self.tcache, self.width + 1,
                                                    build=self.backend.builds, log=log.warning)
+            if self.config.aot_one_row and offers_one_row(self.dtype, self.device):
+                try:  # one-row calls of few tokens on a program of their own, where measured faster
+                    info["one_row"] = aot_one_row(self.target_forward, info["weights"], build=self.backend.builds,
+                                                  log=log.warning)
+                except FileNotFoundError as err:
+                    log.info("one-row steps on the decode package: %s", err)
             if self.device.type == "cpu" and self.config.aot_pad:  # few-token calls run padded where faster
                 info["pad"] = self.target_forward.calibrate_padding()
             self.backend = dataclasses.replace(self.backend, info=info)

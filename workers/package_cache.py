@@ -1,7 +1,7 @@
 """The compiled packages' folder: where packages live, what their keys cover, listing and removing them.
 
 A **package** is one program compiled ahead of time (workers/aot.py): the target's decode step
-(`decode-<key>.pt2`), the drafter's denoising pass (`draft-<key>.pt2`) or its context commit
+(`decode-<key>.pt2`) and, on some CPUs, its one-row steps (`onerow-<key>.pt2`), the drafter's denoising pass (`draft-<key>.pt2`) or its context commit
 (`context-<key>.pt2`), each with a facts file beside it (`<kind>-<key>.json`: what it was built
 for). Its key covers the source of the code it compiled (`KIND_SOURCES`); this module is not among
 those files, so changing how the folder is listed or pruned leaves every package valid.
@@ -22,8 +22,8 @@ PACKAGE_FORMAT = 1
 SOURCES = ("aot.py", "target_model.py", "layers.py", "kv_cache.py")  # in workers/: the forward's code
 DRAFT_SOURCES = ("aot.py", "drafter.py", "layers.py", "kv_cache.py")  # the drafter pass's code
 CONTEXT_SOURCES = (*DRAFT_SOURCES, "target_model.py")  # the context commit's code (its cache write: `write_kv`)
-PACKAGE_KINDS = ("decode", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
-KIND_SOURCES = dict(zip(PACKAGE_KINDS, (SOURCES, DRAFT_SOURCES, CONTEXT_SOURCES)))
+PACKAGE_KINDS = ("decode", "onerow", "draft", "context")  # file name prefixes: <kind>-<key>.pt2
+KIND_SOURCES = dict(zip(PACKAGE_KINDS, (SOURCES, SOURCES, DRAFT_SOURCES, CONTEXT_SOURCES)))
 
 
 def source_digest(sources: tuple[str, ...]) -> str:
@@ -44,12 +44,13 @@ def package_dir(cache_dir: str | Path | None = None) -> Path:
 
 def facts_files(folder: Path, prefix: str) -> list[dict]:
     """The facts written beside each `prefix` package in `folder` (workers/aot.py `package_facts`,
-    `draft_facts` or `context_facts`, plus "built_s")."""
+    `one_row_facts`, `draft_facts` or `context_facts`, plus "built_s" and, for a one-row program, its "verdict")."""
     return [json.loads(f.read_text()) for f in sorted(folder.glob(f"{prefix}-*.json"))] if folder.is_dir() else []
 
 
 def _package_files(folder: Path) -> list[Path]:
-    """The packages in `folder`: the targets' decode steps, the drafters' passes, their context commits."""
+    """The packages in `folder`: the targets' decode steps and one-row steps, the drafters' passes,
+    their context commits."""
     return [p for kind in PACKAGE_KINDS for p in sorted(folder.glob(f"{kind}-*.pt2"))]
 
 

@@ -96,7 +96,7 @@ def cached(cache_dir) -> dict:
     models_dir = root / "models"
     models = [{"name": d.name, "path": str(d), "mb": _dir_mb(d)} for d in sorted(models_dir.iterdir())
               if d.is_dir()] if models_dir.is_dir() else []
-    packages = [{k: p[k] for k in ("path", "kind", "mb") if k in p} for p in list_packages()]
+    packages = [{k: p[k] for k in ("path", "kind", "mb", "verdict") if k in p} for p in list_packages()]
     crossovers = root / "crossovers.json"
     return {"cache_dir": str(root), "models": models, "packages": packages, "profiles": list_profiles(cache_dir),
             "wide_rows": str(crossovers) if crossovers.is_file() else None}
@@ -110,6 +110,16 @@ def report(args) -> dict:
     drafter = (None if str(args.drafter).lower() == "none" else Path(args.drafter)) if args.drafter else p.drafter
     return {"machine": machine(), "chosen": chosen(args.pair, target, drafter, args.cache_dir, args.compile),
             "cache": cached(args.cache_dir)}
+
+
+def _verdict(verdict: dict | None) -> str:
+    """A one-row program's verdict (workers/aot.py `aot_one_row`) in words: its time over the decode
+    package's per token count, and the counts it runs."""
+    if not verdict:
+        return ""
+    ratios = ", ".join(f"{t} token(s) {b / a:.2f}x" for t, (a, b) in verdict["ms"].items() if a > 0)
+    runs = ", ".join(map(str, verdict["tokens"])) or "none"
+    return f"; measured against the decode package at one row: {ratios}; runs one-row calls of {runs} token(s)"
 
 
 def _text(info: dict) -> str:
@@ -131,7 +141,8 @@ def _text(info: dict) -> str:
              f"  step backend: {c['step_backend']['backend']}: {c['step_backend']['why']}",
              f"cache {k['cache_dir']}:"]
     lines += [f"  model {x['name']}: {x['mb']} MB" for x in k["models"]] or ["  no models pulled"]
-    lines += [f"  package {x['kind']}: {x['mb']} MB ({x['path']})" for x in k["packages"]] or ["  no compiled packages"]
+    lines += [f"  package {x['kind']}: {x['mb']} MB ({x['path']}){_verdict(x.get('verdict'))}"
+              for x in k["packages"]] or ["  no compiled packages"]
     for x in k["profiles"]:
         what = f"dtype choice {x['choice']['dtype']}" if x.get("choice") else f"cost profile ({x.get('dtype')}, {x.get('backend')})"
         lines.append(f"  {what}: {x['kb']} KB, {x.get('created')} ({x['path']})")
