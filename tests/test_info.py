@@ -45,3 +45,13 @@ def test_info_reports_the_machine_and_what_a_generate_run_chose_and_kept(capsys,
     assert kinds == ["cost", "dtype"] and all(p["kb"] > 0 for p in after["cache"]["profiles"])
     text = _info(capsys, pair, tmp_path)
     assert "machine:" in text and f"dtype: {stats['dtype']}" in text and "cost profile" in text
+
+
+def test_a_one_row_programs_verdict_reads_as_what_runs_where():
+    """`adapt info` states a one-row program's measured verdict (workers/aot.py `aot_one_row`):
+    its time over the decode package's per token count, and the counts it runs."""
+    from adapt.commands.info import _verdict
+
+    text = _verdict({"ms": {"1": [30.0, 20.1], "5": [29.5, 39.6]}, "tokens": [1], "starts": [64, 295]})
+    assert "1 token(s) 0.67x" in text and "5 token(s) 1.34x" in text and text.endswith("runs one-row calls of 1 token(s)")
+    assert _verdict(None) == "" and "calls of none" in _verdict({"ms": {"1": [10.0, 12.0]}, "tokens": []})
