@@ -346,6 +346,12 @@ class AotContextWrite:
         self.loader.boxed_run([hidden, rows, start, *self.kv])
 
 
+def called_directly(runner) -> tuple:
+    """(loader, output spec) of a loaded package's ``runner``: its loader is called directly
+    (`boxed_run`), since AOTICompiledModel re-parses its specs on every call."""
+    return runner.loader, torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1])
+
+
 class AotDraftPass:
     """The drafter's denoising pass from a loaded package: `(tokens, masked, mask, cos, sin)` as
     `DraftPassForward` takes them, over the engine's drafter-context cache (`DrafterContext`
@@ -355,8 +361,7 @@ class AotDraftPass:
         self.cache, self.qmax = cache, qmax
         self.max_batch, self.length = cache.k[0].shape[0], cache.k[0].shape[2]
         self.kv = list(cache.k) + list(cache.v)
-        self.loader = runner.loader
-        self.out_spec = torch.utils._pytree.treespec_loads(self.loader.get_call_spec()[1])
+        self.loader, self.out_spec = called_directly(runner)
         self.calls = 0
         self._kv_rows: dict[int, list[torch.Tensor]] = {}  # rows -> views of the cache's first rows
 
@@ -403,8 +408,7 @@ class AotTarget:
         self.max_batch, self.length = cache.k[0].shape[0], cache.k[0].shape[2]
         self.kv = list(cache.k) + list(cache.v)
         self.window = torch.empty(self.length, device=cache.k[0].device)  # sliced to W per call
-        self.loader = runner.loader  # called directly: AOTICompiledModel re-parses its specs per call
-        self.out_spec = torch.utils._pytree.treespec_loads(self.loader.get_call_spec()[1])
+        self.loader, self.out_spec = called_directly(runner)
         self.calls = {"program": 0, "eager": 0}
         self.pad: dict[tuple[int, int], int] = {}  # (rows, tokens) -> tokens per row to run (`calibrate_padding`)
         self.one_row = None  # (loader, output spec) of the one-row program (`aot_one_row`); None: none
@@ -438,7 +442,7 @@ class AotTarget:
 
     def use_one_row(self, runner, tokens) -> None:
         """Run calls of one row and ``tokens`` tokens (an iterable of counts) on ``runner``'s program."""
-        self.one_row = (runner.loader, torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1]))
+        self.one_row = called_directly(runner)
         self.one_row_tokens = frozenset(int(t) for t in tokens)
 
     def time_one_row(self, runner, reps: int = 10, min_gain: float = ONE_ROW_MIN_GAIN) -> dict:
@@ -451,8 +455,6 @@ class AotTarget:
         import statistics
 
         dev = self.cache.k[0].device
-        main = (self.loader, self.out_spec)
-        other = (runner.loader, torch.utils._pytree.treespec_loads(runner.loader.get_call_spec()[1]))
         starts = sorted({min(64, self.length // 4), self.length // 2 - ONE_ROW_TOKENS - 1})
         cases = [(T, s0) for T in range(1, min(ONE_ROW_TOKENS, self.tmax) + 1) for s0 in starts]
         times = {(c, i): [] for c in cases for i in (0, 1)}
@@ -461,7 +463,7 @@ class AotTarget:
                 for T, s0 in cases:
                     ids = torch.zeros(1, T, dtype=torch.long, device=dev)
                     start = torch.full((1,), s0, dtype=torch.long, device=dev)
-                    for i, (loader, _) in enumerate((main, other)):
+                    for i, loader in enumerate((self.loader, runner.loader)):
                         t0 = time.perf_counter()
                         loader.boxed_run([ids, start, self.window[:s0 + T], *self.kv])
                         times[((T, s0), i)].append(time.perf_counter() - t0)

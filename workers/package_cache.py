@@ -1,10 +1,11 @@
 """The compiled packages' folder: where packages live, what their keys cover, listing and removing them.
 
 A **package** is one program compiled ahead of time (workers/aot.py): the target's decode step
-(`decode-<key>.pt2`) and, on some CPUs, its one-row steps (`onerow-<key>.pt2`), the drafter's denoising pass (`draft-<key>.pt2`) or its context commit
-(`context-<key>.pt2`), each with a facts file beside it (`<kind>-<key>.json`: what it was built
-for). Its key covers the source of the code it compiled (`KIND_SOURCES`); this module is not among
-those files, so changing how the folder is listed or pruned leaves every package valid.
+(`decode-<key>.pt2`) and, on some CPUs, its one-row steps (`onerow-<key>.pt2`), the drafter's
+denoising pass (`draft-<key>.pt2`) or its context commit (`context-<key>.pt2`), each with a
+facts file beside it (`<kind>-<key>.json`: what it was built for). Its key covers the source of
+the code it compiled (`KIND_SOURCES`); this module is not among those files, so changing how the
+folder is listed or pruned leaves every package valid.
 """
 
 from __future__ import annotations
