@@ -114,18 +114,23 @@ def plan_steps(p, rows, ctx, B: int, K: int) -> Plan:
     fixed_extra = p.draft_overhead_at(B, "diffusion")
     for i in range(first, S):
         s = p.steps_grid[i]
-        eligible = level == i - 1
+        # a row is raised only where it plans more tokens (a row that plans no verified draft
+        # would pay a drafter pass for nothing)
+        eligible = (level == i - 1) & (gain[:, i] > cur_gain)
         d_gain = torch.where(eligible, gain[:, i] - cur_gain, torch.zeros_like(cur_gain))
         order = torch.argsort(torch.where(eligible, d_gain, torch.full_like(d_gain, -1e9)), descending=True)
         d_tok = (toks[:, i] - cur_tok)[order].cpu()
         g = torch.cat([torch.zeros(1), d_gain[order].cpu().cumsum(0)])              # [B+1]
         t = torch.cat([torch.zeros(1), d_tok.cumsum(0)])
-        ms = p.cost.step_ms(float(cur_tok.sum()) + t) + fixed_draft + (s - prev_s) * pass_ms
+        verify_ms = p.cost.step_ms(float(cur_tok.sum()) + t)                           # [B+1] the verify alone
+        ms = verify_ms + fixed_draft + (s - prev_s) * pass_ms
         # a step in which some row drafts takes the drafting path: its fixed extra cost
         if bool((level >= 0).any()):
             ms = ms + fixed_extra
         else:
             ms[1:] = ms[1:] + fixed_extra
+        # a credit (a negative extra) lowers what drafting adds, never a step below its verify
+        ms = torch.maximum(ms, verify_ms)
         theta = (float(cur_gain.sum()) + g) / ms.float().clamp_min(1e-6)
         count = int(eligible.sum())
         if p.sla_guard and p.sla_guard_plan:  # candidates that push a row off its target are worth 0
