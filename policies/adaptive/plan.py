@@ -6,8 +6,11 @@ curve; a *planned prefix* (slots worth more than λ, the current marginal value 
 slot) gives the expected tokens ``E[r, s]`` and the positions verified. Rows are then raised
 level by level (s = 0 → s₁ → s₂ …): at each level the rows that gain most are admitted while the
 batch's weighted rate ``Θ_w = Σ_r w_r E[r, s_r] / step_ms`` rises (the DSpark greedy,
-generalised from slots to steps). The answer is a frozen `Plan`, kept for ``replan_every``
-steps while the batch holds the same requests.
+generalised from slots to steps). Only rows that plan more tokens at the next level are
+candidates, and a step that drafts is never priced under its verify alone, whatever credit the
+drafting path has earned (`calibration.StepCosts.draft_overhead_at`): else a row with nothing to
+verify could be "admitted" for a step the credit made cheaper than not drafting. The answer is
+a frozen `Plan`, kept for ``replan_every`` steps while the batch holds the same requests.
 
 ``s = 0`` (no draft: the row decodes autoregressively this step) is a candidate when
 ``allow_no_draft``: with a weak drafter or a cheap target step, drafting may cost more than the
