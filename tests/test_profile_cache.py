@@ -177,6 +177,38 @@ def test_the_dtype_choice_key_holds_only_packages_its_engines_may_load(pair, tmp
     assert choice_facts(*pair)["packages"] == ["decode-1row.pt2"]
 
 
+def test_a_choice_whose_timing_built_the_packages_is_read_back(pair, tmp_path, monkeypatch):
+    """Timing engines that build the compiled packages of their shape (``--compile aot`` on an
+    empty cache) change the key's package list between one command and the next; the choice is
+    kept under the key the next command asks for, so that command times nothing."""
+    import adapt.dtype_choice as dc
+    from workers.engine import EngineConfig
+
+    monkeypatch.setenv("ADAPT_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "aot"
+    folder.mkdir()
+    length = dc.timing_cache_length(pair[1], EngineConfig.max_len)
+    real, timed = dc.choose_dtype, []
+
+    def building(make_engine, facts, *args, **kwargs):
+        def make(dtype):  # each timing engine leaves a package of its shape, as an aot build does
+            timed.append(dtype)
+            (folder / f"decode-{dtype}.pt2").write_bytes(b"")
+            (folder / f"decode-{dtype}.json").write_text(json.dumps({"cache_shape": [1, 1, length, 4]}))
+            return make_engine(dtype)
+        return real(make, facts, *args, **kwargs)
+
+    monkeypatch.setattr(dc, "choose_dtype", building)
+    config = {"target": str(pair[0]), "drafter": str(pair[1]), "device": "cpu", "compile": "auto", "dtype": "auto"}
+    before = dc.choice_facts(pair[0], pair[1], "auto")
+    _, first = dc.resolve_engine_dtype(config, tmp_path, say=lambda _: None)
+    assert not first["cached"] and timed == ["bfloat16", "float32"]
+    assert dc.choice_facts(pair[0], pair[1], "auto") != before  # the packages are in the key now
+    timed.clear()
+    _, later = dc.resolve_engine_dtype(config, tmp_path, say=lambda _: None)
+    assert later["cached"] and later["dtype"] == first["dtype"] and timed == []
+
+
 def test_generate_reuses_the_stored_profile_and_reports_why(pair, tmp_path, capsys):
     from adapt.cli import main
 
