@@ -841,3 +841,47 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
         assert quick[:2] == full[:2]
         assert quick[2][:3] == full[2][:3] and abs(quick[2][3] - full[2][3]) < 1e-9, (quick, full)
     assert len(kept) > 50  # the quick path ran on many of them
+
+
+def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
+    """One row planned plain (10.5 ms on a linear cost: 10 ms a step, 0.5 ms a position) is offered
+    a one-token copy (11 ms). Deciding costs ``s`` ms of host time a step, which holding the plain
+    decision saves (the cadence holds where deciding is dear; `hold_share` 0: always); a copy ends
+    the hold. With `hold_price` (the default) the copy is compared with a plain step of
+    10.5 - ``s`` ms (every recent step held) and declined where it wins too little to pay for
+    that; without it, taken. The saving scales with the share of recent steps held."""
+    import torch
+
+    from policies.adaptive import AdaptivePolicy
+    from policies.adaptive.source import take_suffix
+    from policies.defaults import LinearCost
+    from workers.decisions import RowState
+
+    rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
+                    generated=torch.full((1,), 10), temperature=torch.zeros(1), recent_accept=torch.full((1,), -1.0),
+                    tvd_spent=torch.zeros(1), remaining=torch.full((1,), 50), batch_size=1, block_size=16,
+                    suffix_len=torch.tensor([1]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
+                    packed_verify=True)
+    plan = torch.zeros(1, dtype=torch.int64), torch.zeros(1), torch.ones(1)  # steps, extra tokens, positions
+
+    def choose(decide_ms: float, **settings):
+        policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=0.0, per_row_ms=0.0),
+                                online_cost=False, hold_max=32, hold_share=0.0, suffix_recalibrate=False, **settings)
+        policy.cadence.decide_ms, policy.cadence.held_rate = decide_ms, 1.0  # every recent step held
+        ctx = policy._ctx(rows, torch.device("cpu"))
+        copy, choice = take_suffix(policy, rows, ctx, *(t.clone() for t in plan))
+        return bool(copy[0]), float(choice.suffix_expect[0]) if choice.suffix_expect is not None else None
+
+    taken, won = choose(0.0)
+    assert taken and 0.05 < won < 1.0  # worth its 0.5 ms when plain steps cost 10.5 ms
+    s = 10.5 - 11.0 / (1.0 + won) + 0.2  # just more than the copy's tokens pay for
+    assert s < 0.5 * 10.5
+    assert not choose(s)[0]
+    assert choose(s, hold_price=False)[0]
+    assert choose(s - 0.4)[0]  # a decision that costs less: the copy still pays
+    policy = AdaptivePolicy(hold_max=32, hold_share=0.0)
+    policy.cadence.decide_ms = 2.0
+    assert policy.cadence.saving(policy, 1, 10.5) == 0.0  # no step held yet: nothing to save
+    policy.cadence.left = 1
+    policy.cadence.held()
+    assert policy.cadence.saving(policy, 1, 10.5) == pytest.approx(0.2)  # one in ten recent steps held

@@ -38,7 +38,9 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
     that maximises the batch's weighted tokens per ms
     ``(E_plan + Σ_{r switching} w_r · (win_r(k_r) − extra_r)) / step_ms(positions)`` wins (a
     diffusion row that switches no longer pays its drafter passes). Only rows whose copy wins
-    more than their plan (``win_r > extra_r``) switch.
+    more than their plan (``win_r > extra_r``) switch. Where the plan drafts nothing, its step is
+    priced without the decision's host time, which holding that plain answer saves and a copy
+    does not (``hold_price``, `cadence.Cadence.saving`).
 
     With ``suffix_first`` every row that has a suffix draft takes the whole of it, whatever its
     plan (static suffix drafting's choice, kept where the suffix drafter has nothing)."""
@@ -77,8 +79,12 @@ def take_suffix(p, rows, ctx, steps: torch.Tensor, extra: torch.Tensor, toks: to
     if not bool(diffusing.any()):  # the plan drafts nothing: taking a suffix draft takes the drafting path
         fixed = torch.where(take.any(0), p.draft_overhead_at(B, "suffix"), 0.0)
     ms = ms + fixed
+    priced = ms                                                                    # [C] ms the choice compares
+    if p.hold_price and not bool(diffusing.any()):  # a copy ends a hold: the plain plan, held, pays no decision
+        priced = ms.clone()
+        priced[0] = ms[0] - min(p.cadence.saving(p, B, p.costs.plain_ms), 0.5 * float(ms[0]))
     planned = float((base_weights(p, ctx).cpu() + w * plan_extra).sum())
-    value = (planned + gain.sum(0)) / ms.clamp_min(1e-6)                          # [C] weighted tokens per ms
+    value = (planned + gain.sum(0)) / priced.clamp_min(1e-6)                      # [C] weighted tokens per ms
     if p.sla_guard:
         got = torch.where(take, expect, kept_extra)                                # [B, C]
         keeps = keeps_targets(ctx, ms, 1.0 + got, rows.remaining, p.sla_slack, behind_veto(p, B))
