@@ -86,7 +86,7 @@ class AdaptiveSettings(BaseModel):
                            ge=0.0, le=1.0)
     hold_joins_rows: int | None = _f(8, "a hold survives requests joining from this many rows (null: never)", ge=1)
     hold_price: bool = _f(True, "a copy that would end a hold of plain decisions is priced against plain steps "
-                          "without the decision's host time (what holding saves each step)")
+                          "without what holding saves (the decision's host time times the share of steps held)")
     span_headroom: int | None = _f(1, "positions denoised past the plan's longest draft (null: the whole block)",
                                    ge=0)
     closed_model: Literal["time", "weight"] = _f(
