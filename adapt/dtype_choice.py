@@ -157,15 +157,19 @@ def keep_under_built_packages(facts: dict, choice: dict, config: dict, cache_dir
     timing engines built the compiled packages of their shape (``--compile aot`` on an empty
     cache): the key read before timing lists no package, the next command's lists them, and it
     would time both dtypes again (measured: a second benchmark run re-timed them, 24.7 s)."""
+    after = choice_facts(config["target"], config.get("drafter"), _compile_choice(config))
+    if after != facts:
+        _keep(*_choice_path(after, CANDIDATES, cache_dir), choice)
+
+
+def _keep(facts: dict, path, choice: dict) -> None:
+    """Write ``choice`` (less what only a read answer carries: "cached", "path") as the record of
+    ``facts`` at ``path``; a cache directory that cannot be written keeps nothing."""
     from adapt.profile_cache import write_record
 
-    after = choice_facts(config["target"], config.get("drafter"), _compile_choice(config))
-    if after == facts:
-        return
-    after, path = _choice_path(after, CANDIDATES, cache_dir)
     stored = {k: v for k, v in choice.items() if k not in ("cached", "path")}
     try:
-        write_record(path, after, choice=stored, built_s=stored.get("measured_s"))
+        write_record(path, facts, choice=stored, built_s=stored.get("measured_s"))
     except OSError:
         pass
 
@@ -186,7 +190,7 @@ def choose_dtype(make_engine: Callable[[str], Any], facts: dict, cache_dir: str 
 
 
 def _read_or_choose(make_engine, facts: dict, path, refresh: bool, candidates: tuple[str, ...], say):
-    from adapt.profile_cache import progress, read_record, write_record
+    from adapt.profile_cache import progress, read_record
 
     say = progress if say is None else say
     record = None if refresh else read_record(path, facts)
@@ -207,9 +211,6 @@ def _read_or_choose(make_engine, facts: dict, path, refresh: bool, candidates: t
         gc.collect()
     choice = {"dtype": best, "reason": _reason(best, scores), "ms": scores,
               "measured_s": round(time.perf_counter() - t0, 2)}
-    try:
-        write_record(path, facts, choice=choice, built_s=choice["measured_s"])
-    except OSError:
-        pass
+    _keep(facts, path, choice)
     say(f"dtype {best} (measured in {choice['measured_s']:.1f} s): {choice['reason']}")
     return best_engine, dict(choice, cached=False, path=str(path))

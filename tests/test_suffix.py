@@ -227,17 +227,27 @@ def test_without_global_memory_a_request_copies_only_its_own_text(target):
     assert len(engine.suffix.propose(index).tokens) == 0
 
 
-def _confident_suffix_rows(B: int):
-    """B greedy rows without a drafter, each offered an 8-token suffix draft of a 12-token match."""
+def _rows(ids, **fields):
+    """A `RowState` of greedy rows named ``ids`` (an int: that many, "r0", "r1" ...), each 100
+    tokens in, 10 generated and 50 to go, blocks of 16, with ``fields`` added or overriding those."""
     import torch
 
     from workers.decisions import RowState
 
-    return RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.full((B,), 8),
-                    suffix_score=torch.full((B,), 6.0), suffix_match=torch.full((B,), 12))
+    ids = [f"r{i}" for i in range(ids)] if isinstance(ids, int) else list(ids)
+    B = len(ids)
+    base = dict(request_ids=ids, knobs=[DecodeKnobs()] * B, targets=[None] * B, position=torch.full((B,), 100),
+                generated=torch.full((B,), 10), temperature=torch.zeros(B), recent_accept=torch.full((B,), -1.0),
+                tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16)
+    return RowState(**{**base, **fields})
+
+
+def _confident_suffix_rows(B: int):
+    """B greedy rows without a drafter, each offered an 8-token suffix draft of a 12-token match."""
+    import torch
+
+    return _rows(B, has_drafter=False, suffix_len=torch.full((B,), 8), suffix_score=torch.full((B,), 6.0),
+                 suffix_match=torch.full((B,), 12))
 
 
 def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
@@ -255,7 +265,7 @@ def test_adaptive_policy_learns_that_wide_steps_cost_more_than_its_table_says():
     rows = _confident_suffix_rows(B)
     assert (decide(policy, rows) == COPY).all()  # long confident matches, cheap slots: widen
     for _ in range(30):
-        steps = decide(policy, rows)
+        decide(policy, rows)
         k = int(policy.step.suffix_k.max())
         predicted = policy.cost.step_ms_at(float(B * (k + 1)))
         slow = 4.0 if k > 0 else 1.0  # widened steps take 4x their prediction, plain ones as predicted
@@ -279,15 +289,10 @@ def test_adaptive_policy_prices_one_rows_suffix_draft_by_its_own_positions_when_
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
     B = 8
-    rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False,
-                    suffix_len=torch.tensor([8] + [0] * (B - 1)), suffix_score=torch.tensor([7.0] + [0.0] * (B - 1)),
-                    suffix_match=torch.tensor([32] + [0] * (B - 1)))
+    rows = _rows(B, has_drafter=False, suffix_len=torch.tensor([8] + [0] * (B - 1)),
+                 suffix_score=torch.tensor([7.0] + [0.0] * (B - 1)), suffix_match=torch.tensor([32] + [0] * (B - 1)))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=1.0)
     padded = decide(AdaptivePolicy(cost=cost, online_cost=False, hold_max=0), rows)
     assert (padded == 0).all()
@@ -306,14 +311,9 @@ def test_packed_adaptive_policy_gives_each_row_its_own_suffix_draft_length():
 
     from policies.adaptive import AdaptivePolicy, suffix_candidates
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
-    B = 2
-    rows = RowState(request_ids=["strong", "weak"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([8, 2]),
-                    suffix_score=torch.tensor([7.0, 0.6]), suffix_match=torch.tensor([32, 2]))
+    rows = _rows(["strong", "weak"], has_drafter=False, suffix_len=torch.tensor([8, 2]),
+                 suffix_score=torch.tensor([7.0, 0.6]), suffix_match=torch.tensor([32, 2]))
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     packed = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_margin=0.0)
     steps = decide(packed, dataclasses.replace(rows, packed_verify=True))
@@ -336,21 +336,14 @@ def test_suffix_first_takes_every_suffix_draft_whole():
     """With ``suffix_first`` the rows of the step above that have a suffix draft take all of it,
     the weak match too (the choice declines it), and the learned acceptance hears what the table
     predicted of each; rows without one keep their plan."""
-    import dataclasses
-
     import torch
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
-    B = 3
-    rows = RowState(request_ids=["strong", "weak", "none"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([8, 2, 0]),
-                    suffix_score=torch.tensor([7.0, 0.6, 0.0]), suffix_match=torch.tensor([32, 2, 0]),
-                    packed_verify=True)
+    rows = _rows(["strong", "weak", "none"], has_drafter=False, suffix_len=torch.tensor([8, 2, 0]),
+                 suffix_score=torch.tensor([7.0, 0.6, 0.0]), suffix_match=torch.tensor([32, 2, 0]),
+                 packed_verify=True)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=2.0)
     chosen = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0)
     assert decide(chosen, rows).tolist() == [COPY, 0, 0]
@@ -374,17 +367,12 @@ def test_packed_adaptive_policy_drafts_a_unanimous_copy_and_not_a_contested_one(
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
-    B = 2
     table = {"match": [2, 4], "first": [0.5, 0.8], "accept": [0.6, 0.85], "vote": [0.0, 0.5, 0.99],
              "vote_scale": [0.15, 0.45, 1.0]}
-    rows = RowState(request_ids=["unanimous", "contested"], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                    position=torch.full((B,), 100), generated=torch.full((B,), 10), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, suffix_len=torch.tensor([4, 4]),
-                    suffix_score=torch.tensor([2.5, 0.6]), suffix_match=torch.tensor([4, 4]),
-                    suffix_vote=torch.tensor([[1.0, 1.0, 1.0, 1.0], [1 / 3, 1.0, 1.0, 1.0]]), packed_verify=True)
+    rows = _rows(["unanimous", "contested"], has_drafter=False, suffix_len=torch.tensor([4, 4]),
+                 suffix_score=torch.tensor([2.5, 0.6]), suffix_match=torch.tensor([4, 4]),
+                 suffix_vote=torch.tensor([[1.0, 1.0, 1.0, 1.0], [1 / 3, 1.0, 1.0, 1.0]]), packed_verify=True)
     cost = LinearCost(overhead_ms=10.0, per_token_ms=4.0)
     policy = AdaptivePolicy(cost=cost, online_cost=False, hold_max=0, suffix_accept=table)
     assert decide(policy, rows).tolist() == [COPY, 0]
@@ -418,16 +406,12 @@ def _tight_and_copy_rows(tpot_ms: float, generated: int, **extra):
     import torch
 
     from adapt.targets import RequestTargets
-    from workers.decisions import RowState
 
     B = 2
-    return RowState(request_ids=["tight", "copy"], knobs=[DecodeKnobs()] * B,
-                    targets=[RequestTargets(tpot_ms=tpot_ms), None], position=torch.full((B,), 100),
-                    generated=torch.full((B,), generated), temperature=torch.zeros(B),
-                    recent_accept=torch.full((B,), -1.0), tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50),
-                    batch_size=B, block_size=16, has_drafter=False, packed_verify=True,
-                    suffix_len=torch.tensor([0, 8]), suffix_score=torch.tensor([0.0, 7.5]),
-                    suffix_match=torch.tensor([0, 32]), **extra)
+    return _rows(["tight", "copy"], targets=[RequestTargets(tpot_ms=tpot_ms), None],
+                 generated=torch.full((B,), generated), has_drafter=False, packed_verify=True,
+                 suffix_len=torch.tensor([0, 8]), suffix_score=torch.tensor([0.0, 7.5]),
+                 suffix_match=torch.tensor([0, 32]), **extra)
 
 
 def _observe_plain(policy, rows, n: int, seconds: float) -> None:
@@ -618,7 +602,7 @@ def test_adaptive_policy_recalibrates_suffix_acceptance_online():
                                 suffix_recalibrate=recalibrate)
         assert (decide(policy, rows) == COPY).all()
         for _ in range(40):
-            steps = decide(policy, rows)
+            decide(policy, rows)
             expect = policy.step.suffix_expect.clone() if policy.step.suffix_expect is not None else torch.zeros(B)
             won = (expect / 3).floor().long()  # a third of the table's prediction
             observe(policy, rows, StepOutcome(won, policy.step.suffix_k.clone() if policy.step.suffix_k is not None
@@ -751,13 +735,8 @@ def test_a_copy_that_wins_fewer_tokens_than_the_plan_is_not_taken():
     goodput, docs/benchmarks.md)."""
     import torch
 
-    from workers.decisions import RowState
-
-    rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
-                    generated=torch.full((1,), 10), temperature=torch.zeros(1), recent_accept=torch.full((1,), -1.0),
-                    tvd_spent=torch.zeros(1), remaining=torch.full((1,), 50), batch_size=1, block_size=16,
-                    suffix_len=torch.tensor([2]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
-                    packed_verify=True)
+    rows = _rows(1, suffix_len=torch.tensor([2]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
+                 packed_verify=True)
     steps, extra, toks = torch.tensor([1]), torch.tensor([1.5]), torch.tensor([3.0])  # the plan: one diffusion pass
 
     def choose(per_pass_ms: float, **settings):
@@ -776,13 +755,8 @@ def test_a_step_that_copies_keeps_the_other_rows_diffusion_drafts():
     the pass measured no more goodput, docs/benchmarks.md)."""
     import torch
 
-    from workers.decisions import RowState
-
-    rows = RowState(request_ids=["r0", "r1"], knobs=[DecodeKnobs()] * 2, targets=[None, None],
-                    position=torch.full((2,), 100), generated=torch.full((2,), 10), temperature=torch.zeros(2),
-                    recent_accept=torch.full((2,), -1.0), tvd_spent=torch.zeros(2), remaining=torch.full((2,), 50),
-                    batch_size=2, block_size=16, suffix_len=torch.tensor([6, 0]), suffix_score=torch.tensor([5.0, 0.0]),
-                    suffix_match=torch.tensor([30, 0]), packed_verify=True)
+    rows = _rows(2, suffix_len=torch.tensor([6, 0]), suffix_score=torch.tensor([5.0, 0.0]),
+                 suffix_match=torch.tensor([30, 0]), packed_verify=True)
     steps, extra, toks = torch.tensor([1, 1]), torch.tensor([0.8, 0.8]), torch.tensor([2.0, 2.0])  # the plan
 
     def choose(per_pass_ms: float, **settings):
@@ -801,7 +775,6 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
 
     from policies.adaptive import AdaptivePolicy
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
     import policies.adaptive.source as source
     from policies.adaptive.source import take_suffix
@@ -820,12 +793,9 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
         B = int(torch.randint(1, 5, (1,), generator=gen))
         n = torch.randint(0, 5, (B,), generator=gen)
         n[0] = max(int(n[0]), 1)
-        rows = RowState(request_ids=[f"r{i}" for i in range(B)], knobs=[DecodeKnobs()] * B, targets=[None] * B,
-                        position=torch.full((B,), 100), generated=torch.full((B,), 10),
-                        temperature=(torch.rand(B, generator=gen) > 0.5).float(), recent_accept=torch.full((B,), -1.0),
-                        tvd_spent=torch.zeros(B), remaining=torch.full((B,), 50), batch_size=B, block_size=16,
-                        suffix_len=n, suffix_score=torch.ones(B), suffix_match=torch.randint(1, 12, (B,), generator=gen),
-                        packed_verify=bool(trial % 2))
+        rows = _rows(B, temperature=(torch.rand(B, generator=gen) > 0.5).float(), suffix_len=n,
+                     suffix_score=torch.ones(B), suffix_match=torch.randint(1, 12, (B,), generator=gen),
+                     packed_verify=bool(trial % 2))
         steps = torch.randint(0, 3, (B,), generator=gen)
         extra = torch.where(steps > 0, 4.0 * torch.rand(B, generator=gen), torch.zeros(B))
         toks = torch.where(steps > 0, torch.randint(2, 8, (B,), generator=gen).float(), torch.ones(B))
@@ -846,25 +816,23 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
 def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
     """One row planned plain (10.5 ms on a linear cost: 10 ms a step, 0.5 ms a position) is offered
     a one-token copy (11 ms). Deciding costs ``s`` ms of host time a step, which holding the plain
-    decision saves (the cadence holds where deciding is dear; `hold_share` 0: always); a copy ends
-    the hold. With `hold_price` (the default) the copy is compared with a plain step of
-    10.5 - ``s`` ms (every recent step held) and declined where it wins too little to pay for
-    that; without it, taken. The saving scales with the share of recent steps held."""
+    decision saves (the cadence holds where deciding is dear; `hold_share` 0: always, and
+    `hold_min_rows` 1: one row too); a copy ends the hold. With `hold_price` (the default) the copy
+    is compared with a plain step of 10.5 - ``s`` ms (every recent step held) and declined where it
+    wins too little to pay for that; without it, taken; and taken where one row is never held (the
+    default `hold_min_rows`, 2). The saving scales with the share of recent steps held."""
     import torch
 
     from policies.adaptive import AdaptivePolicy
     from policies.adaptive.source import take_suffix
     from policies.defaults import LinearCost
-    from workers.decisions import RowState
 
-    rows = RowState(request_ids=["r0"], knobs=[DecodeKnobs()], targets=[None], position=torch.full((1,), 100),
-                    generated=torch.full((1,), 10), temperature=torch.zeros(1), recent_accept=torch.full((1,), -1.0),
-                    tvd_spent=torch.zeros(1), remaining=torch.full((1,), 50), batch_size=1, block_size=16,
-                    suffix_len=torch.tensor([1]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
-                    packed_verify=True)
+    rows = _rows(1, suffix_len=torch.tensor([1]), suffix_score=torch.tensor([1.0]), suffix_match=torch.tensor([6]),
+                 packed_verify=True)
     plan = torch.zeros(1, dtype=torch.int64), torch.zeros(1), torch.ones(1)  # steps, extra tokens, positions
 
     def choose(decide_ms: float, **settings):
+        settings = {"hold_min_rows": 1, **settings}
         policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=0.0, per_row_ms=0.0),
                                 online_cost=False, hold_max=32, hold_share=0.0, suffix_recalibrate=False, **settings)
         policy.cadence.decide_ms, policy.cadence.held_rate = decide_ms, 1.0  # every recent step held
@@ -878,8 +846,9 @@ def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
     assert s < 0.5 * 10.5
     assert not choose(s)[0]
     assert choose(s, hold_price=False)[0]
+    assert choose(s, hold_min_rows=2)[0]  # one row is not held: no hold to price
     assert choose(s - 0.4)[0]  # a decision that costs less: the copy still pays
-    policy = AdaptivePolicy(hold_max=32, hold_share=0.0)
+    policy = AdaptivePolicy(hold_max=32, hold_share=0.0, hold_min_rows=1)
     policy.cadence.decide_ms = 2.0
     assert policy.cadence.saving(policy, 1, 10.5) == 0.0  # no step held yet: nothing to save
     policy.cadence.left = 1
