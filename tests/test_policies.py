@@ -570,13 +570,6 @@ def test_adaptive_holds_a_plain_decision_for_a_growing_number_of_steps():
     one.cadence.decide_ms, one.costs.plain_ms = 1000.0, 40_000.0
     one.before_draft(make_rows(1))  # a row's share is the whole step at batch 1
     assert not one.holding
-    # one row decides every step, however dear deciding is (`hold_min_rows`, 2: at one row a hold
-    # misses copies worth more than the decisions it saves); with hold_min_rows 1 it holds too
-    for min_rows, holds in ((2, False), (1, True)):
-        single = policies.get("adaptive", cost=_cost(draft_pass_ms=500.0), hold_max=4, hold_share=0.0,
-                              hold_min_rows=min_rows)
-        single.before_draft(make_rows(1))
-        assert single.holding == holds and single.reads_suffix == (not holds)
     # a decision that drafts: no hold, and the next plain decision holds 1 step again
     r = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), hold_max=4)
     sure = dataclasses.replace(rows, recent_accept=torch.full((4,), 0.97))

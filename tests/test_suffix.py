@@ -816,11 +816,10 @@ def test_the_suffix_choice_skips_its_candidates_only_where_it_would_keep_the_pla
 def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
     """One row planned plain (10.5 ms on a linear cost: 10 ms a step, 0.5 ms a position) is offered
     a one-token copy (11 ms). Deciding costs ``s`` ms of host time a step, which holding the plain
-    decision saves (the cadence holds where deciding is dear; `hold_share` 0: always, and
-    `hold_min_rows` 1: one row too); a copy ends the hold. With `hold_price` (the default) the copy
-    is compared with a plain step of 10.5 - ``s`` ms (every recent step held) and declined where it
-    wins too little to pay for that; without it, taken; and taken where one row is never held (the
-    default `hold_min_rows`, 2). The saving scales with the share of recent steps held."""
+    decision saves (the cadence holds where deciding is dear; `hold_share` 0: always); a copy ends
+    the hold. With `hold_price` (the default) the copy is compared with a plain step of
+    10.5 - ``s`` ms (every recent step held) and declined where it wins too little to pay for
+    that; without it, taken. The saving scales with the share of recent steps held."""
     import torch
 
     from policies.adaptive import AdaptivePolicy
@@ -832,7 +831,6 @@ def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
     plan = torch.zeros(1, dtype=torch.int64), torch.zeros(1), torch.ones(1)  # steps, extra tokens, positions
 
     def choose(decide_ms: float, **settings):
-        settings = {"hold_min_rows": 1, **settings}
         policy = AdaptivePolicy(cost=LinearCost(overhead_ms=10.0, per_token_ms=0.5, per_pass_ms=0.0, per_row_ms=0.0),
                                 online_cost=False, hold_max=32, hold_share=0.0, suffix_recalibrate=False, **settings)
         policy.cadence.decide_ms, policy.cadence.held_rate = decide_ms, 1.0  # every recent step held
@@ -846,9 +844,8 @@ def test_a_copy_that_would_end_a_hold_is_priced_against_the_held_plain_step():
     assert s < 0.5 * 10.5
     assert not choose(s)[0]
     assert choose(s, hold_price=False)[0]
-    assert choose(s, hold_min_rows=2)[0]  # one row is not held: no hold to price
     assert choose(s - 0.4)[0]  # a decision that costs less: the copy still pays
-    policy = AdaptivePolicy(hold_max=32, hold_share=0.0, hold_min_rows=1)
+    policy = AdaptivePolicy(hold_max=32, hold_share=0.0)
     policy.cadence.decide_ms = 2.0
     assert policy.cadence.saving(policy, 1, 10.5) == 0.0  # no step held yet: nothing to save
     policy.cadence.left = 1

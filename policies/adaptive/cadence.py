@@ -1,4 +1,4 @@
-"""Decision cadence (``hold_max``, ``hold_share``, ``hold_min_rows``): holding a plain decision for a few steps.
+"""Decision cadence (``hold_max``, ``hold_share``): holding a plain decision for a few steps.
 
 Deciding costs host time every step (the plan, the suffix choice, and the engine's suffix
 proposals for every row), which on a small target is a tenth of a ~3 ms step. Where a full
@@ -10,10 +10,9 @@ as one drafts. A row's share, not the whole step: deciding delays every row of t
 what it may catch (one row's copy) wins that row's tokens. On SmolLM2 on a 2-core CPU deciding
 took ~1.5 ms of a ~55 ms 8-row step: 3 % of the step, 22 % of a row's share; holding there took
 the policy from 0.91x to 0.95-0.96x autoregressive decoding at batch 8 (interleaved runs of
-equal-length requests). A batch of fewer than ``hold_min_rows`` (2) rows decides every step: at
-one row with ~9 ms steps deciding took ~0.5 ms, 5 % of the step, so plain decisions were held on
-45 % of steps, and the copies those holds missed cost the code prompts 1.27x against 1.35x
-autoregressive decoding without holds (chat and edit prompts: equal; results/ab/smollm2/hold-min-rows/). While
+equal-length requests). At batch 1 with ~9 ms steps deciding takes ~0.5 ms, at the threshold:
+about half the steps are held there, and never holding one row measured the same speed
+(results/ab/smollm2/hold-min-rows/). While
 holding it reads no suffix drafts (the engine skips proposing them) and answers without
 computing anything. Requests leaving the batch keep the hold; requests joining it keep it too
 where the batch has at least ``hold_joins_rows`` (8) rows (at 8 requests a join comes every few
@@ -72,10 +71,7 @@ class Cadence:
         return self.decide_ms * self.held_rate
 
     def _dear(self, s, B: int, plain_ms: float | None) -> bool:
-        """Deciding is dear: the batch has at least ``hold_min_rows`` rows and deciding costs at
-        least ``hold_share`` of one row's share of a plain step."""
-        if B < s.hold_min_rows:
-            return False
+        """Deciding is dear: it costs at least ``hold_share`` of one row's share of a plain step."""
         share = plain_ms / B if plain_ms is not None else None
         return s.hold_share == 0 or (share is not None and self.decide_ms >= s.hold_share * share)
 
