@@ -234,6 +234,18 @@ def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
     assert (never.before_draft(rows).steps >= 1).all()
 
 
+def test_a_negative_no_draft_margin_declines_drafts_that_are_not_predicted_to_pay_that_much():
+    """Drafting nearly free: the default drafts every row; with ``no_draft_margin`` -0.9 a draft
+    must be predicted ten times a plain step's tokens per ms, which no draft of a 16-token block
+    is, so every row goes without; below -0.9 the setting is refused."""
+    rows = make_rows(4)
+    assert (policies.get("adaptive", cost=_cost(draft_pass_ms=0.01)).before_draft(rows).steps >= 1).all()
+    against = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), no_draft_margin=-0.9)
+    assert against.before_draft(rows).steps.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="no_draft_margin"):
+        policies.get("adaptive", no_draft_margin=-1.0)
+
+
 def test_sla_guard_plan_keeps_a_protected_row_on_target_while_others_draft():
     """Row 0 meets a 5.02 ms/token target with 0.2 ms to spare (ten 5 ms plain steps). A drafter
     pass of one row costs 0.5 ms, of two rows 5 ms, so the unguarded plan drafts for the

@@ -141,7 +141,8 @@ def plan_steps(p, rows, ctx, B: int, K: int) -> Plan:
                                 theta, 0.0)
         if i == 0 and p.allow_no_draft:
             # drafting stays the default: rows stay without drafts only where that is predicted
-            # to be at least `no_draft_margin` better (the prior is noisy for a single row)
+            # to be at least `no_draft_margin` better (the prior is noisy for a single row); a
+            # negative margin weighs against drafting instead (a machine where drafts lose)
             theta[0] = theta[0] / (1.0 + p.no_draft_margin)
         n_star = int(torch.argmax(theta[: count + 1]))
         if n_star == 0:

@@ -45,8 +45,9 @@ class AdaptiveSettings(BaseModel):
         [1, 2], "denoising step counts a row's plan may choose (SmolLM2's file: [1]; its drafter wins "
         "nothing from a second step)", min_length=1)
     allow_no_draft: bool = _f(True, "a row may take a plain step where its draft would not pay for the drafter pass")
-    no_draft_margin: float = _f(0.05, "how much better (share) going without a draft must be predicted before a row does",
-                                ge=0.0)
+    no_draft_margin: float = _f(0.05, "how much better (share) going without a draft must be predicted before a row does; "
+                                "below 0 a margin against drafting: a diffusion draft must be predicted 1 / (1 + m) "
+                                "times a plain step's tokens per ms (-0.5: twice)", ge=-0.9)
     idle_decay: float = _f(0.98, "pulls a non-drafting row's recent acceptance toward its class's typical value, "
                            "1 - idle_decay^n after n idle steps, so it is offered drafts again", ge=0.0, le=1.0)
     replan_every: int = _f(16, "steps between re-plans of each row's step count while the batch is unchanged", ge=1)
