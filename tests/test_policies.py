@@ -236,8 +236,8 @@ def test_adaptive_decodes_without_drafts_when_drafting_does_not_pay():
 
 def test_a_negative_no_draft_margin_declines_drafts_that_are_not_predicted_to_pay_that_much():
     """Drafting nearly free: the default drafts every row; with ``no_draft_margin`` -0.9 a draft
-    must be predicted ten times a plain step's tokens per ms, which no draft of a 16-token block
-    is, so every row goes without; below -0.9 the setting is refused."""
+    must be predicted to earn ten times a plain step's tokens per ms, which these rows' drafts
+    are not, so every row goes without; below -0.9 the setting is refused."""
     rows = make_rows(4)
     assert (policies.get("adaptive", cost=_cost(draft_pass_ms=0.01)).before_draft(rows).steps >= 1).all()
     against = policies.get("adaptive", cost=_cost(draft_pass_ms=0.01), no_draft_margin=-0.9)
