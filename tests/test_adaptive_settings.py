@@ -27,8 +27,6 @@ def _other_value(name: str, info):
         return TABLE
     if name in ("hold_joins_rows", "span_headroom"):
         return None
-    if name == "hold_break_match":
-        return 8
     if name == "sla_clock":
         return "decode"
     if name == "closed_model":

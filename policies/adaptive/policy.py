@@ -110,14 +110,8 @@ class AdaptivePolicy(Policy):
 
     @property
     def reads_suffix(self) -> bool:
-        """The engine computes suffix drafts for this policy's next step: not while it holds,
-        unless a long match may end the hold (``hold_break_match``)."""
-        return self.use_suffix and (self.cadence.left == 0 or self.hold_break_match is not None)
-
-    def _long_copy(self, rows) -> bool:
-        """Some row's suffix draft comes from a match of at least ``hold_break_match`` tokens."""
-        match = getattr(rows, "suffix_match", None)
-        return self.hold_break_match is not None and match is not None and bool((match >= self.hold_break_match).any())
+        """The engine computes suffix drafts for this policy's next step: not while it holds."""
+        return self.use_suffix and self.cadence.left == 0
 
     def _use_context(self, rows) -> None:
         """The step costs' context bucket for ``rows`` (their longest row's length)."""
@@ -127,7 +121,7 @@ class AdaptivePolicy(Policy):
 
     def before_draft(self, rows):
         self._use_context(rows)
-        if self.cadence.holds(rows, self.hold_joins_rows) and not self._long_copy(rows):
+        if self.cadence.holds(rows, self.hold_joins_rows):
             t0 = time.thread_time()
             self.cadence.held()
             intent = DraftIntent.none(len(rows.request_ids))

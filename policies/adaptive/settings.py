@@ -85,9 +85,6 @@ class AdaptiveSettings(BaseModel):
                        ge=0)
     hold_share: float = _f(0.05, "the share of one row's part of a step above which deciding is held",
                            ge=0.0, le=1.0)
-    hold_break_match: int | None = _f(None, "a hold ends on a step where some row's suffix draft comes from a match "
-                                      "of at least this many tokens (the engine then proposes copies while holding; "
-                                      "null: a hold looks at no copies)", ge=1)
     hold_joins_rows: int | None = _f(8, "a hold survives requests joining from this many rows (null: never)", ge=1)
     hold_price: bool = _f(True, "a copy that would end a hold of plain decisions is priced against plain steps "
                           "without what holding saves (the decision's host time times the share of steps held)")
